@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers, one kernel family per module. No nn.Module here."""

@@ -1,0 +1,58 @@
+"""Launch helpers shared by every kernel family: where we run, how big a tile, how many programs.
+
+Under Triton's CPU interpreter (TRITON_INTERPRET=1) every program instance costs milliseconds, so tiles
+are larger and persistent grids smaller there; on a GPU the tile sizes follow the usual rules for
+memory-bound row kernels (one row of up to 8K elements per program, 4-16 warps).
+"""
+import os
+
+import torch
+import triton
+
+MAX_ROW = 65536  # widest row a row-kernel keeps in registers
+POISON = False  # tests set this: outputs start as NaN (or -1), so an element a kernel misses shows
+
+
+def alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer (uninitialized, or poisoned under tests)."""
+    if not POISON:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def can_launch(device: torch.device) -> str | None:
+    """None when Triton kernels can run on `device`, else the reason they cannot."""
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and interpreting():
+        return None
+    if device.type == "cpu":
+        return "device cpu: Triton kernels need CUDA (or TRITON_INTERPRET=1 for the interpreter)"
+    return f"device {device.type}: no Triton backend"
+
+
+def row_tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of n_cols in registers."""
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    target = 16384 if interpreting() else 4096
+    block_m = max(1, min(64, target // block_n))
+    num_warps = 4 if block_n * block_m <= 2048 else 8 if block_n * block_m <= 8192 else 16
+    return block_m, block_n, num_warps
+
+
+def persistent_programs(n_blocks: int, device: torch.device) -> int:
+    """Programs for a persistent grid that loops over n_blocks blocks (one partial result each)."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_blocks, 2 * sms))
+    return max(1, min(n_blocks, 4))
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View t as [rows, last dim] with a unit column stride (copies only when it must)."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()

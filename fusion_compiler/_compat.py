@@ -1,0 +1,32 @@
+"""Every private PyTorch symbol the project uses, in one place, gated by version.
+
+tests/test_compat.py imports each name below and fails loudly when one moves.
+Supported: torch 2.11 (the GPU machine) to 2.13 (CI).
+"""
+import torch
+
+MIN_TORCH = (2, 11)
+_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if _version < MIN_TORCH:
+    raise ImportError(f"fusion_compiler needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}")
+
+from torch._decomp import get_decompositions  # noqa: E402
+from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+from torch._guards import detect_fake_mode  # noqa: E402
+from torch._inductor.compile_fx import compile_fx  # noqa: E402
+from torch._ops import HigherOrderOperator  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+# ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
+# that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
+_DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
+CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
+
+__all__ = [
+    "CANONICAL_DECOMPOSITIONS",
+    "FakeTensorMode",
+    "HigherOrderOperator",
+    "aot_eager",
+    "compile_fx",
+    "detect_fake_mode",
+]

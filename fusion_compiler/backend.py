@@ -1,0 +1,66 @@
+"""The `fusion` torch.compile backend: canonicalize, match, decide, rewrite, hand the rest off.
+
+    torch.compile(model, backend="fusion")                          # entry point, default config
+    torch.compile(model, backend=fusion_compiler.backend(config))   # explicit config
+"""
+import traceback
+
+import torch.fx as fx
+
+from . import _compat, engine
+from . import ops  # noqa: F401  (registers the project's custom ops)
+from .canonical import Unsupported, to_aten
+from .config import FusionConfig
+from .decisions import Decision, DecisionLog
+
+
+class FusionBackend:
+    """A Dynamo backend with its own config and decision log (one per torch.compile call is usual)."""
+
+    def __init__(self, config: FusionConfig | None = None):
+        self.config = config if config is not None else FusionConfig()
+        self.log = DecisionLog()
+        self.graphs = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        gid = self.graphs
+        self.graphs += 1
+        try:
+            aten_gm, _ = to_aten(gm, example_inputs)
+            engine.run(aten_gm, self.config, self.log, gid)
+        except Unsupported as e:
+            self._fallback(gid, str(e))
+            return self._handoff(gm, example_inputs)
+        except ValueError:
+            raise  # configuration errors (unknown pattern names) are the user's to fix
+        except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
+            self._fallback(gid, f"internal error, graph left to {self.config.handoff}: {type(e).__name__}: {e}\n"
+                                f"{traceback.format_exc(limit=4)}")
+            return self._handoff(gm, example_inputs)
+        return self._handoff(aten_gm, example_inputs)
+
+    def _fallback(self, gid: int, reason: str) -> None:
+        self.log.add(Decision(gid, "-", "-", "fallback", reason, "", ()))
+
+    def _handoff(self, gm: fx.GraphModule, example_inputs):
+        if self.config.handoff == "inductor":
+            return _compat.compile_fx(gm, example_inputs)
+        if self.config.handoff == "aot_eager":
+            return _compat.aot_eager(gm, example_inputs)
+        return gm
+
+
+def backend(config: FusionConfig | None = None, **overrides) -> FusionBackend:
+    """A backend for torch.compile: backend(FusionConfig(...)) or backend(handoff="aot_eager", ...)."""
+    if overrides:
+        config = FusionConfig(**overrides) if config is None else \
+            __import__("dataclasses").replace(config, **overrides)
+    return FusionBackend(config)
+
+
+DEFAULT = FusionBackend()
+
+
+def fusion_backend(gm: fx.GraphModule, example_inputs):
+    """The entry point behind backend="fusion" (default config; decisions in fusion_compiler.last_report())."""
+    return DEFAULT(gm, example_inputs)

@@ -1,0 +1,212 @@
+"""Many spellings, one form.
+
+`to_aten` re-traces Dynamo's torch-level graph into ATen ops on fake tensors: the dispatcher already
+maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square ... to one ATen op.
+`canonicalize` then rewrites what the dispatcher leaves spelled several ways:
+    defaults filled in from the op schema          gelu(x) == gelu(x, approximate='none')
+    in-place ops on private intermediates          add_(t, eps) -> add(t, eps)
+    Scalar overloads                               mul.Scalar -> mul.Tensor
+    non-negative dims                              mean(x, [2]) on 3-D x -> mean(x, [-1])
+    slice bounds clamped                           slice(x, -1, 0, 2**63-1) -> slice(x, -1, 0, size)
+    x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
+    x * sigmoid(x) -> silu(x)
+Patterns are traced and canonicalized by the same code, so both sides meet in one form.
+"""
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.traceback import preserve_node_meta
+from torch.utils._pytree import tree_map
+
+from . import _compat
+
+aten = torch.ops.aten
+
+
+class Unsupported(Exception):
+    """The graph cannot be rewritten; the message is the reason recorded in the decision log."""
+
+
+# --- Dynamo graph -> ATen graph ------------------------------------------------------------------------
+class _GradModeAwareInterpreter(fx.Interpreter):
+    """Runs the Dynamo graph under make_fx; values computed with grad disabled are detached in the
+    traced graph, so the autograd that later runs on it sees exactly the eager graph's grad paths."""
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        if not torch.is_grad_enabled():
+            result = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
+        return result
+
+
+def _is_dynamic(t) -> bool:
+    if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(t, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
+    return False
+
+
+def check_traceable(gm: fx.GraphModule, example_inputs) -> None:
+    """Raise Unsupported for graphs we do not re-trace (the reason goes to the decision log)."""
+    if any(_is_dynamic(t) for t in example_inputs):
+        raise Unsupported("dynamic shapes: the graph has symbolic sizes (mark_static or dynamic=False to fuse)")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, _compat.HigherOrderOperator):
+            raise Unsupported(f"higher-order op {node.target.name()} in the graph")
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise Unsupported(f"parameter {node.target} is a graph attribute, not an input "
+                                  "(torch._dynamo.config.inline_inbuilt_nn_modules=False is not supported)")
+
+
+def to_aten(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, list]:
+    """Re-trace a Dynamo graph into a canonical ATen graph on fake tensors; returns (graph, fakes)."""
+    check_traceable(gm, example_inputs)
+    fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
+    fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        with fake_mode, preserve_node_meta():
+            traced = make_fx(_GradModeAwareInterpreter(gm).run,
+                             decomposition_table=_compat.CANONICAL_DECOMPOSITIONS)(*fakes)
+    except Exception as e:  # any failure to re-trace leaves the graph to the hand-off, with the reason
+        raise Unsupported(f"re-tracing to ATen failed: {type(e).__name__}: {e}") from e
+    finally:
+        torch.set_grad_enabled(grad_enabled)
+    canonicalize(traced.graph)
+    traced.recompile()
+    return traced, fakes
+
+
+def trace_function(fn, example_inputs) -> fx.GraphModule:
+    """Trace a plain PyTorch function (a pattern's search or replacement) into canonical ATen."""
+    with _compat.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        traced = make_fx(fn, decomposition_table=_compat.CANONICAL_DECOMPOSITIONS)(*fakes)
+    canonicalize(traced.graph)
+    traced.recompile()
+    return traced
+
+
+# --- canonicalization passes -------------------------------------------------------------------------
+def val(node):
+    """The fake value a node carries (make_fx records it as meta['val'])."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _fill_defaults(node: fx.Node) -> None:
+    schema = node.target._schema
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    for i, arg in enumerate(schema.arguments):
+        if arg.kwarg_only:
+            if arg.name not in kwargs and arg.has_default_value():
+                kwargs[arg.name] = arg.default_value
+        elif i >= len(args):
+            if arg.name in kwargs:
+                args.append(kwargs.pop(arg.name))
+            elif arg.has_default_value():
+                args.append(arg.default_value)
+    node.args, node.kwargs = tuple(args), kwargs
+
+
+_SCALAR_TO_TENSOR = {
+    aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor,
+}
+
+# op -> (position of the dim argument, rank offset: the dim indexes the output for unsqueeze)
+_DIM_ARG = {
+    aten.mean.dim: (1, 0), aten.sum.dim_IntList: (1, 0), aten.amax.default: (1, 0),
+    aten.amin.default: (1, 0), aten.slice.Tensor: (1, 0), aten.split.Tensor: (2, 0),
+    aten.split_with_sizes.default: (2, 0), aten._softmax.default: (1, 0),
+    aten._log_softmax.default: (1, 0), aten.select.int: (1, 0), aten.unsqueeze.default: (1, 1),
+    aten.squeeze.dim: (1, 0), aten.transpose.int: (1, 0), aten.var.correction: (1, 0),
+    aten.flatten.using_ints: (1, 0),
+}
+
+
+def _functional_overload(target):
+    """aten.add_.Scalar -> aten.add.Scalar (None when there is no such functional overload)."""
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _negative_dims(node: fx.Node) -> None:
+    pos, extra = _DIM_ARG[node.target]
+    src = node.args[0]
+    if node.target is aten.transpose.int:
+        positions = (1, 2)
+    else:
+        positions = (pos,)
+    rank = val(src).dim() + extra if val(src) is not None else None
+    if rank is None or rank == 0:
+        return
+    args = list(node.args)
+    for p in positions:
+        if p >= len(args):
+            continue
+        d = args[p]
+        if isinstance(d, int):
+            args[p] = d - rank if d >= 0 else d
+        elif isinstance(d, (list, tuple)) and all(isinstance(i, int) for i in d):
+            args[p] = [i - rank if i >= 0 else i for i in d]
+    if node.target is aten.slice.Tensor and len(args) >= 4:
+        size = val(src).shape[args[1]]
+        args[2] = min(max(args[2] + size if args[2] < 0 else args[2], 0), size) if args[2] is not None else 0
+        args[3] = min(max(args[3] + size if args[3] < 0 else args[3], 0), size) if args[3] is not None else size
+    node.args = tuple(args)
+
+
+def _cat_dims(node: fx.Node) -> None:
+    tensors, dim = node.args[0], node.args[1]
+    first = val(tensors[0]) if tensors else None
+    if first is not None and isinstance(dim, int) and dim >= 0:
+        node.args = (tensors, dim - first.dim())
+
+
+def _is_call(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _algebra(graph: fx.Graph, node: fx.Node) -> None:
+    t, a = node.target, node.args
+    if t is aten.mul.Tensor and len(a) >= 2 and a[0] is a[1] and isinstance(a[0], fx.Node):
+        node.target, node.args = aten.pow.Tensor_Scalar, (a[0], 2)
+    elif t is aten.mul.Tensor and len(a) >= 2:
+        for x, s in ((a[0], a[1]), (a[1], a[0])):
+            if _is_call(s, aten.sigmoid.default) and s.args[0] is x:
+                node.target, node.args = aten.silu.default, (x,)
+                return
+    elif t is aten.reciprocal.default and _is_call(a[0], aten.sqrt.default):
+        node.target, node.args = aten.rsqrt.default, (a[0].args[0],)
+    elif t is aten.div.Tensor and _is_call(a[1], aten.sqrt.default) and isinstance(a[0], fx.Node):
+        with graph.inserting_before(node):
+            r = graph.call_function(aten.rsqrt.default, (a[1].args[0],))
+        r.meta = dict(a[1].meta)
+        node.target, node.args = aten.mul.Tensor, (a[0], r)
+
+
+def canonicalize(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        functional = _functional_overload(node.target)
+        src = node.args[0] if node.args else None
+        if (functional is not None and isinstance(src, fx.Node) and src.op == "call_function"
+                and len(src.users) == 1):
+            node.target = functional
+        node.target = _SCALAR_TO_TENSOR.get(node.target, node.target)
+        _fill_defaults(node)
+        if node.target in _DIM_ARG:
+            _negative_dims(node)
+        elif node.target is aten.cat.default:
+            _cat_dims(node)
+        _algebra(graph, node)
+    graph.eliminate_dead_code()
+

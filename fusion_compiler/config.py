@@ -1,0 +1,76 @@
+"""FusionConfig: one frozen, hashable description of what the backend may do."""
+import dataclasses
+from typing import Optional
+
+HANDOFFS = ("inductor", "aot_eager", "eager")
+COST_MODELS = ("roofline", "always")
+BASELINES = ("inductor", "eager")
+
+
+def _names(value) -> Optional[frozenset]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return frozenset([value])
+    return frozenset(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig:
+    """What the `fusion` backend may rewrite and where it hands the rest.
+
+    families / patterns: only these (None: all); disable_families / disable_patterns: never these.
+    handoff: who compiles what is left: "inductor" (default), "aot_eager" or "eager" (debugging).
+    cost_model: "roofline" decides each region by the cost model; "always" applies every legal
+        match (for tests and debugging: it can be slower than Inductor).
+    cost_baseline: what a rewrite is compared with: "inductor" (its fused kernels) or "eager"
+        (one kernel per op). None: "inductor" when the hand-off is Inductor, else "eager".
+    device_profile: the cost model's device figures ("h100", "h200"); None: from the device, and the
+        reference GPU for CPU runs (so CPU tests see the decisions a GPU run would make).
+    verify_kernels: run each new kernel signature once on random data at compile time; a kernel
+        that fails to compile or run leaves its region to the hand-off, with the reason.
+    """
+    families: Optional[frozenset] = None
+    patterns: Optional[frozenset] = None
+    disable_families: frozenset = frozenset()
+    disable_patterns: frozenset = frozenset()
+    handoff: str = "inductor"
+    cost_model: str = "roofline"
+    cost_baseline: Optional[str] = None
+    device_profile: Optional[str] = None
+    verify_kernels: bool = True
+
+    def __post_init__(self):
+        for name in ("families", "patterns"):
+            object.__setattr__(self, name, _names(getattr(self, name)))
+        for name in ("disable_families", "disable_patterns"):
+            object.__setattr__(self, name, _names(getattr(self, name)) or frozenset())
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"handoff={self.handoff!r}: expected one of {HANDOFFS}")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model={self.cost_model!r}: expected one of {COST_MODELS}")
+        if self.cost_baseline is not None and self.cost_baseline not in BASELINES:
+            raise ValueError(f"cost_baseline={self.cost_baseline!r}: expected one of {BASELINES}")
+
+    @property
+    def baseline(self) -> str:
+        if self.cost_baseline is not None:
+            return self.cost_baseline
+        return "inductor" if self.handoff == "inductor" else "eager"
+
+    def enables(self, pattern) -> bool:
+        if pattern.family in self.disable_families or pattern.name in self.disable_patterns:
+            return False
+        if self.families is not None and pattern.family not in self.families:
+            return False
+        return self.patterns is None or pattern.name in self.patterns
+
+    def check_names(self, patterns) -> None:
+        """Raise for a pattern or family name that no registered pattern has (a typo disables nothing)."""
+        names = {p.name for p in patterns}
+        families = {p.family for p in patterns}
+        for given, known, what in ((self.patterns, names, "pattern"), (self.disable_patterns, names, "pattern"),
+                                   (self.families, families, "family"), (self.disable_families, families, "family")):
+            unknown = sorted((given or frozenset()) - known)
+            if unknown:
+                raise ValueError(f"unknown {what} name(s) {unknown}; known: {sorted(known)}")

@@ -1,0 +1,133 @@
+"""Roofline cost model for memory-bound fused regions.
+
+A fused kernel moves each region input once and each output once; eager moves every intermediate
+(each op reads its inputs and writes its output); Inductor fuses elementwise work and reductions too,
+so against Inductor the bytes tie and what decides is how close each kernel gets to the copy
+bandwidth, measured per kernel and row width on the GPU (benchmarks/RESULTS.md) and stored in
+DeviceProfile.efficiency. Time = launches * launch_s + bytes / (bandwidth * efficiency).
+
+Training adds the backward: the fused backward reads the output gradients and the saved inputs and
+writes the input gradients; eager's backward of a chain of n ops costs about twice its forward.
+"""
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .canonical import val
+
+MARGIN = 0.02  # a rewrite must be estimated at least this much faster than its baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    bandwidth: float  # bytes/s, measured device copy (read + write)
+    launch_s: float  # per kernel launch
+    # kernel -> ((max row width, our efficiency, Inductor's efficiency), ...) ascending by width;
+    # fractions of `bandwidth`, fwd+bwd together
+    efficiency: dict
+    eager_efficiency: float = 0.7
+    default_efficiency: float = 0.75  # for kernels without measurements: ours and Inductor's alike
+
+
+# Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
+# the region on Inductor ("do no harm"); measured rows replace the assumption.
+PROFILES = {
+    "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}),
+    "h200": DeviceProfile("h200", 4.3e12, 4e-6, {}),
+}
+REFERENCE = "h200"
+
+# kernel -> (our launches fwd, bwd; Inductor's launches fwd, bwd)
+LAUNCHES = {
+    "rms_norm": (1, 2, 1, 2), "add_rms_norm": (1, 2, 1, 2), "layer_norm": (1, 3, 1, 2),
+    "rope": (1, 1, 1, 1), "glu": (1, 1, 1, 1), "glu_packed": (1, 1, 1, 2),
+}
+
+
+def profile_for(device: torch.device, name: Optional[str] = None) -> DeviceProfile:
+    if name is not None:
+        if name not in PROFILES:
+            raise ValueError(f"device_profile={name!r}: known {sorted(PROFILES)}")
+        return PROFILES[name]
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        for key in PROFILES:
+            if key in gpu:
+                return PROFILES[key]
+    return PROFILES[REFERENCE]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostContext:
+    profile: DeviceProfile
+    baseline: str  # "inductor" | "eager"
+    training: bool  # does any region input need a gradient (set per match by the engine)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    ours_s: float
+    baseline_s: float
+    ours_bytes: int
+    baseline_bytes: int
+    baseline: str
+    note: str = ""
+
+    @property
+    def profitable(self) -> bool:
+        return self.ours_s < self.baseline_s * (1.0 - MARGIN)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.baseline_bytes - self.ours_bytes
+
+    @property
+    def time_saved_s(self) -> float:
+        return self.baseline_s - self.ours_s
+
+    def reason(self) -> str:
+        verdict = "fused kernel" if self.profitable else f"keep {self.baseline}"
+        extra = f"; {self.note}" if self.note else ""
+        return (f"{verdict}: est. {self.ours_s * 1e6:.1f} us vs {self.baseline} {self.baseline_s * 1e6:.1f} us"
+                f" ({self.ours_bytes / 2**20:.1f} vs {self.baseline_bytes / 2**20:.1f} MiB){extra}")
+
+
+def nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def efficiency(profile: DeviceProfile, kernel: str, width: int) -> tuple[float, float, str]:
+    """(ours, Inductor's, where the figures come from) at this row width."""
+    for max_width, ours, inductor in profile.efficiency.get(kernel, ()):
+        if width <= max_width:
+            return ours, inductor, f"measured on {profile.name}"
+    eff = profile.default_efficiency
+    return eff, eff, f"not measured on {profile.name}: assumed equal to Inductor"
+
+
+def estimate_fused(match, ctx: CostContext) -> Estimate:
+    """Default should_apply: one fused kernel (fwd, and bwd when training) against the baseline."""
+    kernel = match.pattern.kernel
+    ins = match.tensor_inputs()
+    outs = [val(o) for o in match.outputs]
+    io_in, io_out = sum(map(nbytes, ins)), sum(map(nbytes, outs))
+    fused = io_in + io_out + (io_out + 2 * io_in if ctx.training else 0)
+    ours_l = LAUNCHES.get(kernel, (1, 2, 1, 2))
+    launches = ours_l[0] + (ours_l[1] if ctx.training else 0)
+    width = max((t.shape[-1] for t in ins if t.dim() > 0), default=1)
+    p = ctx.profile
+    eff_ours, eff_ind, source = efficiency(p, kernel, width)
+    ours_s = launches * p.launch_s + fused / (p.bandwidth * eff_ours)
+    if ctx.baseline == "inductor":
+        base_l = ours_l[2] + (ours_l[3] if ctx.training else 0)
+        base_bytes = fused
+        base_s = base_l * p.launch_s + fused / (p.bandwidth * eff_ind)
+    else:
+        interior = [n for n in match.nodes if n.op == "call_function"]
+        fwd = sum(nbytes(val(n)) + sum(nbytes(val(a)) for a in n.all_input_nodes) for n in interior)
+        base_bytes = fwd * (3 if ctx.training else 1)
+        base_l = len(interior) * (3 if ctx.training else 1)
+        base_s = base_l * p.launch_s + base_bytes / (p.bandwidth * p.eager_efficiency)
+    return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")

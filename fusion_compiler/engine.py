@@ -1,0 +1,189 @@
+"""The pass: match every enabled pattern, decide each candidate, rewrite the ones that pay.
+
+For each pattern (largest priority first) and each node computing its anchor op:
+  1. loose structural match (matcher.py), then exact verification against the search function
+     re-traced at the region's real shapes, dtypes and scalars
+  2. near-miss when an intermediate of the region is used outside it
+  3. can_apply (legal), then should_apply (cost), then a one-time run of the replacement on random
+     data of the region's signature (a kernel that fails to compile or run is rejected, not shipped)
+  4. rewrite: the replacement, traced to ATen, is inlined after the region's last input; the region's
+     outputs are redirected (cast back to their dtype where the op's differs) and the rest is DCE'd.
+Every candidate becomes a Decision.
+"""
+import torch
+import torch.fx as fx
+
+from . import cost
+from .canonical import trace_function, val
+from .decisions import Decision, DecisionLog, describe, location
+from .matcher import Matcher, candidates
+from .pattern import registered_patterns
+
+_VERIFIED: dict = {}  # (pattern, signature, training) -> None or the failure
+
+
+def _needs_grad(gm: fx.GraphModule) -> set:
+    """Nodes whose value carries a gradient (from requires_grad inputs, stopped by detach)."""
+    grad = set()
+    for n in gm.graph.nodes:
+        v = val(n)
+        if n.op == "placeholder":
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                grad.add(n)
+        elif n.op == "call_function" and n.target is not torch.ops.aten.detach.default:
+            if any(a in grad for a in n.all_input_nodes):
+                grad.add(n)
+    return grad
+
+
+def _random_like(v: torch.Tensor) -> torch.Tensor:
+    span = 1 + sum((s - 1) * st for s, st in zip(v.shape, v.stride())) if v.numel() else 0
+    if v.is_floating_point() or v.is_complex():
+        base = torch.randn(span, dtype=v.dtype, device=v.device)
+    else:
+        base = torch.zeros(span, dtype=v.dtype, device=v.device)
+    return base.as_strided(v.shape, v.stride())
+
+
+def verify_replacement(pattern, values: list, training: bool) -> str | None:
+    """Run the replacement once (fwd, and bwd when training) on random data of this signature."""
+    key = (pattern.name, training, tuple(
+        (tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else v
+        for v in values))
+    if key not in _VERIFIED:
+        try:
+            with torch.enable_grad():
+                args, leaves = [], []
+                for v in values:
+                    r = _random_like(v) if isinstance(v, torch.Tensor) else v
+                    if training and isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex()):
+                        r = r.requires_grad_()
+                        leaves.append(r)
+                    args.append(r)
+                out = pattern.replacement(*args)
+                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.requires_grad]
+                if outs and leaves:
+                    torch.autograd.grad(outs, leaves, [torch.randn_like(o) for o in outs], allow_unused=True)
+            _VERIFIED[key] = None
+        except Exception as e:  # noqa: BLE001  (any failure keeps the region off our kernels)
+            _VERIFIED[key] = f"kernel failed on this signature: {type(e).__name__}: {str(e)[:200]}"
+    return _VERIFIED[key]
+
+
+def _insertion_point(graph: fx.Graph, match, order: dict) -> fx.Node | None:
+    """The node after which the replacement goes: the region's last input (or the first node)."""
+    inputs = [a for a in match.inputs if isinstance(a, fx.Node)]
+    last = max(inputs, key=lambda n: order[n]) if inputs else next(iter(graph.nodes))
+    for out in match.outputs:
+        for user in out.users:
+            if user not in match.nodes and order[user] <= order[last]:
+                return None
+    return last
+
+
+def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node) -> None:
+    graph = gm.graph
+    placeholders = [n for n in replacement.graph.nodes if n.op == "placeholder"]
+    env = {ph: a for ph, a in zip(placeholders, match.inputs) if isinstance(a, fx.Node)}
+    trace = match.anchor.meta.get("stack_trace")
+    new_outs = None
+    with graph.inserting_before(after.next):
+        for n in replacement.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                res = n.args[0]
+                new_outs = [env[r] for r in (res if isinstance(res, (list, tuple)) else (res,))]
+                continue
+            if n.op == "get_attr":
+                raise ValueError("replacement creates tensor constants; return them from an op instead")
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            if trace:
+                env[n].meta["stack_trace"] = trace
+        for old, new in zip(match.outputs, new_outs):
+            ov, nv = val(old), val(new)
+            if ov is not None and nv is not None and ov.dtype != nv.dtype:
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (new,), {"dtype": ov.dtype})
+                cast.meta["val"] = ov
+                new = cast
+            old.replace_all_uses_with(new)
+    graph.eliminate_dead_code()
+
+
+def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int) -> int:
+    """Rewrite gm in place; returns how many regions were rewritten."""
+    patterns = registered_patterns()
+    config.check_names(patterns)
+    needs_grad = _needs_grad(gm)
+    applied = 0
+    for pattern in patterns:
+        if not config.enables(pattern):
+            continue
+        loose = Matcher(pattern.graph(), pattern.scalar_names, exact=False)
+        for anchor in candidates(gm.graph, loose.anchor_target):
+            live = set(gm.graph.nodes)
+            if anchor not in live:
+                continue
+            match = loose.match(pattern, anchor)
+            if match is None:
+                continue
+            decision, replacement = _decide(pattern, match, config, needs_grad, graph_id)
+            if replacement is not None:
+                order = {n: i for i, n in enumerate(gm.graph.nodes)}
+                after = _insertion_point(gm.graph, match, order)
+                if after is None:
+                    decision = _row(graph_id, pattern, match, "near-miss",
+                                    "an output is used before the region's last input is computed")
+                else:
+                    _rewrite(gm, match, replacement, after)
+                    needs_grad = _needs_grad(gm)
+                    applied += 1
+            log.add(decision)
+    gm.recompile()
+    return applied
+
+
+def _row(graph_id, pattern, match, verdict, reason, estimate=None) -> Decision:
+    return Decision(
+        graph=graph_id, pattern=pattern.name, family=pattern.family, verdict=verdict, reason=reason,
+        location=location(match.anchor), inputs=tuple(describe(v) for v in match.input_values()),
+        bytes_saved=estimate.bytes_saved if estimate else None,
+        time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None,
+        kernel=pattern.kernel,
+    )
+
+
+def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None]:
+    values = match.input_values()
+    exact = Matcher(pattern.graph_at(values), {i: v for i, v in enumerate(values) if isinstance(v, float)},
+                    exact=True).match(pattern, match.anchor)
+    if exact is None or set(exact.nodes) != set(match.nodes):
+        return _row(gid, pattern, match, "near-miss",
+                    "structure matches but sizes or constants differ from the pattern at these shapes"), None
+    escape = match.escaping()
+    if escape is not None:
+        inner, user = escape
+        where = location(user)
+        return _row(gid, pattern, match, "near-miss",
+                    f"intermediate {inner.name} is also used by {user.name}" + (f" ({where})" if where else "")), None
+    if pattern.can_apply is not None:
+        why = pattern.can_apply(match)
+        if why:
+            return _row(gid, pattern, match, "rejected", why), None
+    training = any(isinstance(a, fx.Node) and a in needs_grad for a in match.inputs)
+    device = next((v.device for v in match.tensor_inputs()), torch.device("cpu"))
+    ctx = cost.CostContext(cost.profile_for(device, config.device_profile), config.baseline, training)
+    estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
+    if config.cost_model == "roofline" and not estimate.profitable:
+        return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None
+    if config.verify_kernels:
+        failure = verify_replacement(pattern, values, training)
+        if failure:
+            return _row(gid, pattern, match, "rejected", failure, estimate), None
+    try:
+        replacement = trace_function(pattern.replacement, values)
+    except Exception as e:  # noqa: BLE001
+        return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None
+    reason = estimate.reason() if config.cost_model == "roofline" else \
+        f"cost model off (cost_model='always'); {estimate.reason()}"
+    return _row(gid, pattern, match, "applied", reason, estimate), replacement

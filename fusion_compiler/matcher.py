@@ -1,0 +1,188 @@
+"""Structural matching of a pattern's canonical ATen graph against the user's canonical ATen graph.
+
+Matching walks back from an anchor (the node that computes the pattern's first output):
+- a pattern placeholder binds to any node (the same placeholder always to the same node);
+- a pattern op matches a node with the same ATen overload, args unified recursively; add and mul
+  are commutative;
+- float-to-float casts (_to_copy with only a dtype change) in the user's graph are transparent,
+  because every project kernel loads, computes in fp32 and writes the dtype of the region's output;
+- literals: floats equal to a scalar argument's example value bind that argument; ints that give
+  sizes (view/expand/slice bounds/split sizes/normalized_shape) match any int in the loose pass,
+  every other literal must be equal. A loose match is then verified exactly against the search
+  function re-traced at the bound inputs' real shapes, dtypes and scalars (see Pattern.graph_at).
+"""
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .canonical import val
+
+aten = torch.ops.aten
+
+_COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# op -> positions of arguments that hold sizes (wildcards in the loose pass)
+_SHAPE_ARGS = {
+    aten.view.default: (1,), aten._unsafe_view.default: (1,), aten.reshape.default: (1,),
+    aten.expand.default: (1,), aten.slice.Tensor: (2, 3), aten.split.Tensor: (1,),
+    aten.split_with_sizes.default: (1,), aten.native_layer_norm.default: (1,),
+    aten.narrow.default: (2, 3),
+}
+
+
+def is_float_cast(node) -> bool:
+    """A _to_copy that only changes a floating dtype (no device, layout or memory-format change)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten._to_copy.default):
+        return False
+    src, out = val(node.args[0]), val(node)
+    if src is None or out is None or src.device != out.device:
+        return False
+    extra = {k: v for k, v in node.kwargs.items() if v is not None and k not in ("dtype", "layout", "device")}
+    return src.dtype in _FLOATS and out.dtype in _FLOATS and not extra.get("memory_format") and \
+        not extra.get("non_blocking") and not extra.get("pin_memory")
+
+
+def strip_casts(node):
+    while is_float_cast(node):
+        node = node.args[0]
+    return node
+
+
+@dataclasses.dataclass
+class Match:
+    """A region of the user's graph that a pattern matched."""
+    pattern: object
+    anchor: fx.Node
+    inputs: list  # per search-function argument: the bound fx.Node, or the scalar's value
+    outputs: list  # user-graph nodes computing the pattern's outputs, in order
+    nodes: list  # every user-graph node inside the region (outputs included), graph order
+
+    def input_values(self) -> list:
+        """Fake tensors (with real shapes, dtypes, strides, devices) and scalars of the inputs."""
+        return [val(a) if isinstance(a, fx.Node) else a for a in self.inputs]
+
+    def tensor_inputs(self) -> list:
+        return [v for v in self.input_values() if isinstance(v, torch.Tensor)]
+
+    def escaping(self) -> Optional[tuple[fx.Node, fx.Node]]:
+        """(intermediate, outside user) when an intermediate of the region is used outside it."""
+        inside = set(self.nodes)
+        outs = set(self.outputs)
+        for n in self.nodes:
+            if n in outs:
+                continue
+            for user in n.users:
+                if user not in inside:
+                    return n, user
+        return None
+
+
+class _State:
+    __slots__ = ("bind", "scalars", "interior")
+
+    def __init__(self, bind=None, scalars=None, interior=None):
+        self.bind = dict(bind or {})
+        self.scalars = dict(scalars or {})
+        self.interior = list(interior or [])
+
+    def copy(self):
+        return _State(self.bind, self.scalars, self.interior)
+
+
+class Matcher:
+    """Matches one traced pattern graph; `exact` compares every literal."""
+
+    def __init__(self, graph: fx.GraphModule, scalars: dict[int, float], exact: bool):
+        self.graph = graph
+        self.exact = exact
+        self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        self.sentinels = {v: i for i, v in scalars.items()}
+        out = next(n for n in graph.graph.nodes if n.op == "output")
+        res = out.args[0]
+        self.outputs = list(res) if isinstance(res, (list, tuple)) else [res]
+        self.anchor_target = self.outputs[0].target
+
+    def match(self, pattern, anchor: fx.Node) -> Optional[Match]:
+        st = _State()
+        if not self._node(self.outputs[0], anchor, st):
+            return None
+        outs = [st.bind.get(p) for p in self.outputs]
+        if any(o is None for o in outs):
+            return None
+        inputs = []
+        for i, ph in enumerate(self.placeholders):
+            if i in self.sentinels.values():
+                if i not in st.scalars:
+                    return None
+                inputs.append(st.scalars[i])
+            elif ph in st.bind:
+                inputs.append(st.bind[ph])
+            else:
+                return None
+        order = {n: i for i, n in enumerate(anchor.graph.nodes)} if len(st.interior) > 1 else {}
+        nodes = sorted(set(st.interior), key=lambda n: order.get(n, 0))
+        return Match(pattern, anchor, inputs, outs, nodes)
+
+    # --- unification ---------------------------------------------------------------------------------
+    def _node(self, p: fx.Node, t, st: _State) -> bool:
+        if not isinstance(t, fx.Node):
+            return False
+        if p.op == "placeholder":
+            t = strip_casts(t)
+            prev = st.bind.setdefault(p, t)
+            return prev is t
+        if p.op != "call_function":
+            return False
+        if p.target is not aten._to_copy.default:
+            while is_float_cast(t):
+                st.interior.append(t)
+                t = t.args[0]
+        if p in st.bind:
+            return st.bind[p] is t
+        if t.op != "call_function" or t.target != p.target or len(t.args) != len(p.args):
+            return False
+        if set(t.kwargs) != set(p.kwargs):
+            return False
+        shape_pos = _SHAPE_ARGS.get(p.target, ()) if not self.exact else ()
+        orders = [(0, 1)]
+        if p.target in _COMMUTATIVE and len(p.args) >= 2 and p.kwargs.get("alpha", 1) == 1:
+            orders.append((1, 0))
+        for order in orders:
+            trial = st.copy()
+            trial.bind[p] = t
+            trial.interior.append(t)
+            t_args = list(t.args)
+            if order == (1, 0):
+                t_args[0], t_args[1] = t_args[1], t_args[0]
+            ok = all(self._arg(pa, ta, trial, i in shape_pos) for i, (pa, ta) in enumerate(zip(p.args, t_args)))
+            ok = ok and all(self._arg(p.kwargs[k], t.kwargs[k], trial, False) for k in p.kwargs)
+            if ok:
+                st.bind, st.scalars, st.interior = trial.bind, trial.scalars, trial.interior
+                return True
+        return False
+
+    def _arg(self, pa, ta, st: _State, shape_like: bool) -> bool:
+        if isinstance(pa, fx.Node):
+            return self._node(pa, ta, st)
+        if isinstance(ta, fx.Node):
+            return False
+        if isinstance(pa, (list, tuple)):
+            return isinstance(ta, (list, tuple)) and len(pa) == len(ta) and \
+                all(self._arg(a, b, st, shape_like) for a, b in zip(pa, ta))
+        if isinstance(pa, float) and not isinstance(pa, bool) and pa in self.sentinels:
+            if not isinstance(ta, (int, float)) or isinstance(ta, bool):
+                return False
+            idx = self.sentinels[pa]
+            return st.scalars.setdefault(idx, ta) == ta
+        if shape_like and isinstance(pa, int) and not isinstance(pa, bool):
+            return isinstance(ta, int) and not isinstance(ta, bool)
+        if type(pa) is not type(ta) and not (isinstance(pa, (int, float)) and isinstance(ta, (int, float))):
+            return False
+        return pa == ta
+
+
+def candidates(graph: fx.Graph, target) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target == target]
+

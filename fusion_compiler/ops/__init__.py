@@ -1,0 +1,13 @@
+"""The project's ops: torch.library custom ops (namespace `fusion`) whose forward and backward run our
+Triton kernels. Patterns rewrite regions into calls of these ops; they are usable directly too.
+
+    torch.ops.fusion.rms_norm(x, weight, eps)              -> (y, rstd)
+    torch.ops.fusion.add_rms_norm(x, residual, weight, eps) -> (y, x + residual, rstd)
+    torch.ops.fusion.layer_norm(x, weight, bias, eps)       -> (y, mean, rstd)
+    torch.ops.fusion.rope(x, cos, sin, interleaved)         -> x rotated
+    torch.ops.fusion.glu(gate, up, act)                     -> act(gate) * up
+    torch.ops.fusion.glu_packed(x, act, gate_first)         -> the same on the two halves of x
+"""
+from . import elementwise, norm  # noqa: F401  (registers the ops)
+
+SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES
