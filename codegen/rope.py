@@ -90,6 +90,8 @@ def rope_check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 def rope(x, cos, sin, interleaved: bool, backward: bool = False):
     """Rotate x (or, with backward=True, rotate a gradient back); returns a tensor laid out like x."""
+    if x.stride(-1) != 1:  # e.g. an expanded gradient: the kernel walks the last dim with unit stride
+        x = x.contiguous()
     lead = x.shape[:-1]
     cos = (cos if cos.stride(-1) == 1 else cos.contiguous()).expand(*lead, cos.shape[-1])
     sin = (sin if sin.stride(-1) == 1 else sin.contiguous()).expand(*lead, sin.shape[-1])

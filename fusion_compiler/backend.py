@@ -21,6 +21,7 @@ class FusionBackend:
         self.config = config if config is not None else FusionConfig()
         self.log = DecisionLog()
         self.graphs = 0
+        self.rewritten: list[fx.GraphModule] = []  # the canonical ATen graphs handed off, after rewriting
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gid = self.graphs
@@ -28,6 +29,7 @@ class FusionBackend:
         try:
             aten_gm, _ = to_aten(gm, example_inputs)
             engine.run(aten_gm, self.config, self.log, gid)
+            self.rewritten.append(aten_gm)
         except Unsupported as e:
             self._fallback(gid, str(e))
             return self._handoff(gm, example_inputs)

@@ -4,8 +4,9 @@ Matching walks back from an anchor (the node that computes the pattern's first o
 - a pattern placeholder binds to any node (the same placeholder always to the same node);
 - a pattern op matches a node with the same ATen overload, args unified recursively; add and mul
   are commutative;
-- float-to-float casts (_to_copy with only a dtype change) in the user's graph are transparent,
-  because every project kernel loads, computes in fp32 and writes the dtype of the region's output;
+- float-to-float casts (_to_copy with only a dtype change) are transparent on both sides, because
+  every project kernel loads, computes in fp32 and writes the dtype of the region's output (a cast
+  the user wrote after the region stays and applies to the op's output);
 - literals: floats equal to a scalar argument's example value bind that argument; ints that give
   sizes (view/expand/slice bounds/split sizes/normalized_shape) match any int in the loose pass,
   every other literal must be equal. A loose match is then verified exactly against the search
@@ -101,7 +102,7 @@ class Matcher:
         self.sentinels = {v: i for i, v in scalars.items()}
         out = next(n for n in graph.graph.nodes if n.op == "output")
         res = out.args[0]
-        self.outputs = list(res) if isinstance(res, (list, tuple)) else [res]
+        self.outputs = [strip_casts(o) for o in (res if isinstance(res, (list, tuple)) else [res])]
         self.anchor_target = self.outputs[0].target
 
     def match(self, pattern, anchor: fx.Node) -> Optional[Match]:
@@ -129,16 +130,16 @@ class Matcher:
     def _node(self, p: fx.Node, t, st: _State) -> bool:
         if not isinstance(t, fx.Node):
             return False
+        p = strip_casts(p)
         if p.op == "placeholder":
             t = strip_casts(t)
             prev = st.bind.setdefault(p, t)
             return prev is t
         if p.op != "call_function":
             return False
-        if p.target is not aten._to_copy.default:
-            while is_float_cast(t):
-                st.interior.append(t)
-                t = t.args[0]
+        while is_float_cast(t):
+            st.interior.append(t)
+            t = t.args[0]
         if p in st.bind:
             return st.bind[p] is t
         if t.op != "call_function" or t.target != p.target or len(t.args) != len(p.args):

@@ -1,0 +1,96 @@
+"""The reference Llama train step (../shared/anchors/README.md): eager vs Inductor vs fusion.
+
+    python benchmarks/bench_llama_step.py [--modes eager inductor fusion fusion_always] [--steps 10]
+
+4 layers, hidden 2048, 32 heads / 8 kv, ffn 8192, vocab 128256, bf16, batch 2 x 2048, AdamW(fused).
+Reports the first step (compile) time, the median step time, tokens/s, peak memory and the first loss.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import env, save, table
+
+
+def build(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def run_mode(mode, steps, batch=2, seq=2048):
+    import fusion_compiler as fc
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if mode == "inductor":
+        fwd = torch.compile(model)
+    elif mode == "fusion":
+        fwd = torch.compile(model, backend="fusion")
+    elif mode == "fusion_always":
+        be = fc.backend(cost_model="always")
+        fwd = torch.compile(model, backend=be)
+    else:
+        fwd = model
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)
+
+    def step():
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    loss0 = step().item()
+    first = time.perf_counter() - t
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    ms = statistics.median(times)
+    row = dict(mode=mode, first_step_s=round(first, 1), step_ms=round(ms, 2),
+               tokens_per_s=int(batch * seq / ms * 1e3),
+               peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss0=round(loss0, 4))
+    if mode.startswith("fusion"):
+        rep = fc.last_report() if mode == "fusion" else fc.Report(be.log.decisions)
+        s = rep.summary()
+        row["applied"] = s["applied"]
+        row["rejected"] = s["rejected"]
+        print(rep, flush=True)
+    del model, opt, fwd
+    torch.compiler.reset()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["eager", "inductor", "fusion", "fusion_always"])
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args()
+    rows = []
+    for mode in a.modes:
+        rows.append(run_mode(mode, a.steps))
+        print(rows[-1], flush=True)
+    save("llama_step.json", {"env": env(), "rows": rows})
+    print(env())
+    print(table(rows, ["mode", "first_step_s", "step_ms", "tokens_per_s", "peak_GiB", "loss0", "applied", "rejected"]))
+
+
+if __name__ == "__main__":
+    main()

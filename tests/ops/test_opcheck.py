@@ -1,0 +1,55 @@
+"""torch.library.opcheck on every project op: schema, fake impl, autograd registration, aot_dispatch."""
+import pytest
+import torch
+
+import fusion_compiler.ops  # noqa: F401
+
+fusion = torch.ops.fusion
+
+
+def _p(*shape, dtype, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def cases(dtype):
+    theta = torch.randn(2, 1, 5, 8)
+    return [
+        (fusion.rms_norm, (_p(3, 5, 40, dtype=dtype), _p(40, dtype=dtype), 1e-6)),
+        (fusion.add_rms_norm, (_p(3, 40, dtype=dtype), _p(3, 40, dtype=dtype), _p(40, dtype=dtype), 1e-6)),
+        (fusion.layer_norm, (_p(6, 40, dtype=dtype), _p(40, dtype=dtype), _p(40, dtype=dtype), 1e-5)),
+        (fusion.layer_norm, (_p(6, 40, dtype=dtype), None, None, 1e-5)),
+        (fusion.rope, (_p(2, 3, 5, 8, dtype=dtype), theta.cos().to(dtype), theta.sin().to(dtype), False)),
+        (fusion.rope, (_p(2, 3, 5, 8, dtype=dtype), theta[..., :4].cos().to(dtype), theta[..., :4].sin().to(dtype), True)),
+        (fusion.glu, (_p(4, 33, dtype=dtype), _p(4, 33, dtype=dtype), "silu")),
+        (fusion.glu, (_p(4, 33, dtype=dtype), _p(4, 33, dtype=dtype), "gelu_tanh")),
+        (fusion.glu_packed, (_p(4, 66, dtype=dtype), "gelu", True)),
+        (fusion.glu_packed, (_p(4, 66, dtype=dtype), "silu", False)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", range(10))
+def test_opcheck(dtype, index):
+    op, args = cases(dtype)[index]
+    torch.library.opcheck(op, args)
+
+
+def test_rope_gradients_reach_cos_and_sin():
+    """cos/sin rarely need grads, but when they do the op provides them."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    theta = torch.randn(2, 1, 5, 8, dtype=torch.float64)
+    for interleaved in (False, True):
+        cos = theta[..., :4].cos() if interleaved else theta.cos()
+        sin = theta[..., :4].sin() if interleaved else theta.sin()
+        cos, sin = cos.float().requires_grad_(), sin.float().requires_grad_()
+        y = fusion.rope(x.float(), cos, sin, interleaved)
+        g = torch.randn_like(y)
+        dc, ds = torch.autograd.grad(y, (cos, sin), g)
+        c64, s64 = cos.double().detach().requires_grad_(), sin.double().detach().requires_grad_()
+        if interleaved:
+            xa, xb = x[..., 0::2], x[..., 1::2]
+            ref = torch.stack((xa * c64 - xb * s64, xa * s64 + xb * c64), -1).flatten(-2)
+        else:
+            ref = x * c64 + torch.cat((-x[..., 4:], x[..., :4]), -1) * s64
+        rc, rs = torch.autograd.grad(ref, (c64, s64), g.double())
+        assert torch.allclose(dc.double(), rc, atol=1e-4) and torch.allclose(ds.double(), rs, atol=1e-4)
