@@ -1,9 +1,10 @@
 """Norm / elementwise kernels: fwd and fwd+bwd time and achieved GB/s, ours vs eager, Inductor, Liger.
 
-    python benchmarks/bench_norm_elementwise.py [--hidden 2048 4096 8192] [--tokens 8192]
+    python benchmarks/bench_norm_elementwise.py [--hidden 2048 4096 8192] [--tokens 32768]
 
 Bytes counted (the fused minimum): fwd = inputs + outputs; fwd+bwd adds output grads + inputs re-read
-+ input grads. Every implementation is checked against eager before it is timed.
++ input grads. Every implementation is checked against eager before it is timed. GPU times are the
+profiler's summed kernel durations (no CPU overhead); wall_fwdbwd_us is the plain loop, CPU dispatch included.
 """
 import argparse
 import functools
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler  # noqa: F401  (registers torch.ops.fusion)
-from common import bench_ms, env, save, table
+from common import bench_gpu_ms, bench_ms, env, save, table
 
 DT = torch.bfloat16
 
@@ -70,8 +71,8 @@ def cases(tokens, hidden, lib):
     dev = "cuda"
     x = torch.randn(tokens, hidden, device=dev, dtype=DT, requires_grad=True)
     r = torch.randn_like(x, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(hidden, device=dev, dtype=DT)).requires_grad_()
-    b = (0.1 * torch.randn(hidden, device=dev, dtype=DT)).requires_grad_()
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden, device=dev, dtype=DT))
+    b = torch.nn.Parameter(0.1 * torch.randn(hidden, device=dev, dtype=DT))
     nb = x.numel() * x.element_size()
     out = []
     impl = {"eager": hf_rms, "fusion": lambda x, w: torch.ops.fusion.rms_norm(x, w, 1e-6)[0]}
@@ -124,38 +125,46 @@ def run(tokens, hiddens):
     rows = []
     for hidden in hiddens:
         for kernel, inputs, impls, b_fwd, b_fb in cases(tokens, hidden, lib):
-            impls = dict(impls)
-            impls["inductor"] = torch.compile(impls["eager"])
-            impls["fusion(backend)"] = torch.compile(impls["eager"], backend=fc.backend(cost_model="always"))
-            grads_in = [t for t in inputs if t.requires_grad]
+            liger = impls.pop("liger", None)
+            impls["inductor"] = torch.compile(impls["eager"], dynamic=False)
+            impls["fusion(backend)"] = torch.compile(impls["eager"], backend=fc.backend(cost_model="always"),
+                                                     dynamic=False)
+            if liger is not None:  # last, on its own copies: Liger's RoPE/SwiGLU write into their inputs
+                impls["liger"] = liger
             ref = [o.float() for o in _flat(impls["eager"](*inputs))]
-            gouts = [torch.randn_like(o) for o in ref]
+            gouts = [torch.randn_like(o).to(DT) for o in ref]
             for name, fn in impls.items():
-                outs = _flat(fn(*inputs))
+                args = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs] \
+                    if name == "liger" else inputs
+                grads_in = [t for t in args if t.requires_grad]
+                outs = _flat(fn(*args))
                 err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))
-                fwd = bench_ms(lambda: fn(*inputs))
 
                 def step():
-                    o = _flat(fn(*inputs))
-                    torch.autograd.grad(o, grads_in, [g.to(t.dtype) for g, t in zip(gouts, o)])
-                fb = bench_ms(step)
-                rows.append(dict(kernel=kernel, hidden=hidden, impl=name, fwd_ms=round(fwd, 4),
-                                 fwd_GBps=round(b_fwd / fwd / 1e6), fwdbwd_ms=round(fb, 4),
-                                 fwdbwd_GBps=round(b_fb / fb / 1e6), rel_err=f"{err:.1e}"))
+                    o = _flat(fn(*args))
+                    torch.autograd.grad(o, grads_in, gouts, allow_unused=True)
+                step()
+                fwd, fb = bench_gpu_ms(lambda: fn(*args)), bench_gpu_ms(step)
+                wall = bench_ms(step)
+                rows.append(dict(kernel=kernel, hidden=hidden, impl=name,
+                                 fwd_us=round(fwd * 1e3, 1), fwd_GBps=round(b_fwd / fwd / 1e6),
+                                 fwdbwd_us=round(fb * 1e3, 1), fwdbwd_GBps=round(b_fb / fb / 1e6),
+                                 wall_fwdbwd_us=round(wall * 1e3, 1), rel_err=f"{err:.1e}"))
                 print(rows[-1], flush=True)
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096, 8192])
     a = ap.parse_args()
     torch.manual_seed(0)
     rows = run(a.tokens, a.hidden)
     save("norm_elementwise.json", {"env": env(), "tokens": a.tokens, "rows": rows})
     print(env())
-    print(table(rows, ["kernel", "hidden", "impl", "fwd_ms", "fwd_GBps", "fwdbwd_ms", "fwdbwd_GBps", "rel_err"]))
+    print(table(rows, ["kernel", "hidden", "impl", "fwd_us", "fwd_GBps", "fwdbwd_us", "fwdbwd_GBps",
+                       "wall_fwdbwd_us", "rel_err"]))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,24 @@ def env() -> dict:
 
 
 def bench_ms(fn, warmup=25, rep=100) -> float:
+    """Wall time per call (CUDA events around a loop): includes CPU dispatch overhead."""
     from triton.testing import do_bench
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_gpu_ms(fn, iters=20) -> float:
+    """GPU time per call: the summed duration of every kernel (and memset/copy) that fn launched,
+    from the profiler; launch gaps and CPU dispatch are excluded (see bench_ms for wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / iters / 1e3
 
 
 def save(name: str, payload: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, as_rows, persistent_programs, row_tile
+from .launch import alloc, as_rows, bwd_row_tile, persistent_programs, row_tile
 
 
 @triton.jit
@@ -115,8 +115,8 @@ def layer_norm_bwd(dy, x, weight, mean, rstd):
     dy2, x2 = as_rows(dy), as_rows(x)
     m = x2.shape[0]
     dx = alloc((m, n), x.dtype, x.device)
-    block_m, block_n, warps = row_tile(n)
-    progs = persistent_programs(triton.cdiv(m, block_m), x.device)
+    block_m, block_n, warps, per_sm = bwd_row_tile(n)
+    progs = persistent_programs(triton.cdiv(m, block_m), x.device, per_sm)
     dw_partial = torch.zeros((progs, n), dtype=torch.float32, device=x.device)
     db_partial = torch.zeros((progs, n), dtype=torch.float32, device=x.device)
     if m > 0:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, as_rows, persistent_programs, row_tile
+from .launch import alloc, as_rows, bwd_row_tile, persistent_programs, row_tile
 
 
 @triton.jit
@@ -110,8 +110,8 @@ def rms_norm_bwd(dy, h, weight, rstd, dh_in=None):
     m = h2.shape[0]
     dh2 = as_rows(dh_in) if dh_in is not None else None
     dx = alloc((m, n), h.dtype, h.device)
-    block_m, block_n, warps = row_tile(n)
-    progs = persistent_programs(triton.cdiv(m, block_m), h.device)
+    block_m, block_n, warps, per_sm = bwd_row_tile(n)
+    progs = persistent_programs(triton.cdiv(m, block_m), h.device, per_sm)
     dw_partial = torch.zeros((progs, n), dtype=torch.float32, device=h.device)
     if m > 0:
         _rms_norm_bwd_kernel[(progs,)](

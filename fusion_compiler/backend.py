@@ -5,6 +5,7 @@
 """
 import traceback
 
+import torch
 import torch.fx as fx
 
 from . import _compat, engine
@@ -28,7 +29,8 @@ class FusionBackend:
         self.graphs += 1
         try:
             aten_gm, _ = to_aten(gm, example_inputs)
-            engine.run(aten_gm, self.config, self.log, gid)
+            grad_inputs = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
+            engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
             self.rewritten.append(aten_gm)
         except Unsupported as e:
             self._fallback(gid, str(e))

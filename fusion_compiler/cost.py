@@ -24,8 +24,8 @@ class DeviceProfile:
     name: str
     bandwidth: float  # bytes/s, measured device copy (read + write)
     launch_s: float  # per kernel launch
-    # kernel -> ((max row width, our efficiency, Inductor's efficiency), ...) ascending by width;
-    # fractions of `bandwidth`, fwd+bwd together
+    # kernel -> ((max row width, ours fwd, Inductor fwd, ours fwd+bwd, Inductor fwd+bwd), ...) ascending
+    # by width: achieved bytes/s over `bandwidth` (benchmarks/calibrate.py makes these rows)
     efficiency: dict
     eager_efficiency: float = 0.7
     default_efficiency: float = 0.75  # for kernels without measurements: ours and Inductor's alike
@@ -33,9 +33,23 @@ class DeviceProfile:
 
 # Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
 # the region on Inductor ("do no harm"); measured rows replace the assumption.
+# H200: benchmarks/runs/2026-12-03-h200-norm-elementwise-2.json (32768 tokens, bf16, GPU kernel time).
+_H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
+    "rms_norm": ((2048, 0.931, 0.774, 0.893, 0.766), (4096, 0.946, 0.83, 0.92, 0.763),
+                 (8192, 0.959, 0.996, 0.898, 0.762)),
+    "add_rms_norm": ((2048, 0.947, 0.894, 0.922, 0.847), (4096, 0.948, 0.925, 0.939, 0.853),
+                     (8192, 0.95, 0.942, 0.93, 0.837)),
+    "layer_norm": ((2048, 0.896, 0.569, 0.728, 0.593), (4096, 0.914, 0.631, 0.835, 0.627),
+                   (8192, 0.965, 0.828, 0.888, 0.661)),
+    "rope": ((1 << 30, 0.832, 0.925, 0.367, 0.381),),
+    "glu": ((2048, 0.982, 1.016, 0.973, 1.004), (4096, 0.978, 1.021, 0.971, 1.011),
+            (8192, 0.979, 1.024, 0.971, 1.011)),
+    "glu_packed": ((2048, 0.979, 1.024, 0.972, 0.697), (4096, 0.983, 1.02, 0.973, 0.708),
+                   (8192, 0.98, 1.026, 0.971, 0.708)),
+}
 PROFILES = {
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}),
-    "h200": DeviceProfile("h200", 4.3e12, 4e-6, {}),
+    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200),
 }
 REFERENCE = "h200"
 
@@ -98,13 +112,17 @@ def nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def efficiency(profile: DeviceProfile, kernel: str, width: int) -> tuple[float, float, str]:
-    """(ours, Inductor's, where the figures come from) at this row width."""
-    for max_width, ours, inductor in profile.efficiency.get(kernel, ()):
-        if width <= max_width:
-            return ours, inductor, f"measured on {profile.name}"
-    eff = profile.default_efficiency
-    return eff, eff, f"not measured on {profile.name}: assumed equal to Inductor"
+def efficiency(profile: DeviceProfile, kernel: str, width: int, training: bool) -> tuple[float, float, str]:
+    """(ours, Inductor's, where the figures come from) at this row width: the first measured row at or
+    above it (the widest row beyond the widest measurement)."""
+    rows = profile.efficiency.get(kernel, ())
+    if not rows:
+        eff = profile.default_efficiency
+        return eff, eff, f"not measured on {profile.name}: assumed equal to Inductor"
+    row = next((r for r in rows if width <= r[0]), rows[-1])
+    ours, inductor = (row[3], row[4]) if training else (row[1], row[2])
+    at = "" if row[0] >= 1 << 30 else f" at width {row[0]}"
+    return ours, inductor, f"{'fwd+bwd' if training else 'fwd'} measured on {profile.name}{at}"
 
 
 def estimate_fused(match, ctx: CostContext) -> Estimate:
@@ -118,7 +136,7 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
     launches = ours_l[0] + (ours_l[1] if ctx.training else 0)
     width = max((t.shape[-1] for t in ins if t.dim() > 0), default=1)
     p = ctx.profile
-    eff_ours, eff_ind, source = efficiency(p, kernel, width)
+    eff_ours, eff_ind, source = efficiency(p, kernel, width, ctx.training)
     ours_s = launches * p.launch_s + fused / (p.bandwidth * eff_ours)
     if ctx.baseline == "inductor":
         base_l = ours_l[2] + (ours_l[3] if ctx.training else 0)

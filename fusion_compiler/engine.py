@@ -22,13 +22,13 @@ from .pattern import registered_patterns
 _VERIFIED: dict = {}  # (pattern, signature, training) -> None or the failure
 
 
-def _needs_grad(gm: fx.GraphModule) -> set:
+def _needs_grad(gm: fx.GraphModule, grad_inputs: list[bool]) -> set:
     """Nodes whose value carries a gradient (from requires_grad inputs, stopped by detach)."""
     grad = set()
+    placeholders = iter(grad_inputs)
     for n in gm.graph.nodes:
-        v = val(n)
         if n.op == "placeholder":
-            if isinstance(v, torch.Tensor) and v.requires_grad:
+            if next(placeholders, False):
                 grad.add(n)
         elif n.op == "call_function" and n.target is not torch.ops.aten.detach.default:
             if any(a in grad for a in n.all_input_nodes):
@@ -110,11 +110,12 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
     graph.eliminate_dead_code()
 
 
-def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int) -> int:
-    """Rewrite gm in place; returns how many regions were rewritten."""
+def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
+    """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
+    does that input require grad (decides whether the cost model counts the backward)."""
     patterns = registered_patterns()
     config.check_names(patterns)
-    needs_grad = _needs_grad(gm)
+    needs_grad = _needs_grad(gm, grad_inputs)
     applied = 0
     for pattern in patterns:
         if not config.enables(pattern):
@@ -136,7 +137,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int) -> int:
                                     "an output is used before the region's last input is computed")
                 else:
                     _rewrite(gm, match, replacement, after)
-                    needs_grad = _needs_grad(gm)
+                    needs_grad = _needs_grad(gm, grad_inputs)
                     applied += 1
             log.add(decision)
     gm.recompile()

@@ -31,7 +31,8 @@ def _(dy, cos, sin, interleaved):
 def _rope_setup(ctx, inputs, output):
     x, cos, sin, interleaved = inputs
     ctx.interleaved = interleaved
-    ctx.save_for_backward(x, cos, sin)
+    # x is needed only for the (rare) gradients of cos/sin
+    ctx.save_for_backward(x if cos.requires_grad or sin.requires_grad else None, cos, sin)
 
 
 def _rope_trig_grads(dy, x, interleaved):
