@@ -14,7 +14,7 @@ from torch._decomp import get_decompositions  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch._guards import detect_fake_mode  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
-from torch._ops import HigherOrderOperator  # noqa: E402
+from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 # ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
@@ -26,6 +26,7 @@ __all__ = [
     "CANONICAL_DECOMPOSITIONS",
     "FakeTensorMode",
     "HigherOrderOperator",
+    "OpOverload",
     "aot_eager",
     "compile_fx",
     "detect_fake_mode",

@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.traceback import preserve_node_meta
-from torch.utils._pytree import tree_map
 
 from . import _compat
 
@@ -35,8 +34,16 @@ class _GradModeAwareInterpreter(fx.Interpreter):
     def run_node(self, n):
         result = super().run_node(n)
         if not torch.is_grad_enabled():
-            result = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
+            result = _detach(result)
         return result
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    return value
 
 
 def _is_dynamic(t) -> bool:
@@ -176,7 +183,11 @@ def _is_call(node, target) -> bool:
 
 def _algebra(graph: fx.Graph, node: fx.Node) -> None:
     t, a = node.target, node.args
-    if t is aten.mul.Tensor and len(a) >= 2 and a[0] is a[1] and isinstance(a[0], fx.Node):
+    if t in (aten.mul.Tensor, aten.div.Tensor) and len(a) >= 2 and isinstance(a[0], fx.Node) and \
+            not isinstance(a[1], (fx.Node, bool)) and a[1] == 1 and val(a[0]) is not None and \
+            val(node) is not None and val(a[0]).dtype == val(node).dtype:
+        node.replace_all_uses_with(a[0])  # x * 1 (what Python's 1 / t leaves behind)
+    elif t is aten.mul.Tensor and len(a) >= 2 and a[0] is a[1] and isinstance(a[0], fx.Node):
         node.target, node.args = aten.pow.Tensor_Scalar, (a[0], 2)
     elif t is aten.mul.Tensor and len(a) >= 2:
         for x, s in ((a[0], a[1]), (a[1], a[0])):
@@ -194,7 +205,7 @@ def _algebra(graph: fx.Graph, node: fx.Node) -> None:
 
 def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
             continue
         functional = _functional_overload(node.target)
         src = node.args[0] if node.args else None

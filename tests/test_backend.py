@@ -1,0 +1,169 @@
+"""The backend as users meet it: by name, with a config, explain(), the decision log, fallbacks."""
+import json
+import logging
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_compiler as fc
+from fusion_compiler import engine
+from tests.helpers import fusion_ops
+
+
+def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_entry_point_registers_the_fusion_backend():
+    names = [ep.name for ep in entry_points(group="torch_dynamo_backends")]
+    assert "fusion" in names
+    assert "fusion" in torch.compiler.list_backends()
+
+
+def test_backend_by_name_with_inductor_handoff():
+    """backend="fusion": default config, Inductor hand-off, decisions in last_report()."""
+    before = len(fc.last_report().decisions)
+    x, w = torch.randn(8, 64), torch.randn(64)
+    out = torch.compile(rms, backend="fusion")(x, w)
+    torch.testing.assert_close(out, rms(x, w))
+    new = fc.last_report().decisions[before:]
+    assert [d.pattern for d in new] == ["rms_norm"]
+    assert new[0].verdict in ("applied", "rejected")
+
+
+def test_config_selects_families_and_patterns():
+    def fn(x, w, g, u):
+        return rms(x, w), F.silu(g) * u
+    args = (torch.randn(4, 32), torch.randn(32), torch.randn(4, 32), torch.randn(4, 32))
+    be = fc.backend(handoff="aot_eager", cost_model="always", families={"elementwise"})
+    torch.compile(fn, backend=be)(*args)
+    assert [d.pattern for d in be.log.decisions] == ["glu_silu"]
+    be = fc.backend(handoff="aot_eager", cost_model="always", disable_patterns={"glu_silu"})
+    torch.compile(fn, backend=be)(*args)
+    assert [d.pattern for d in be.log.decisions] == ["rms_norm"]
+
+
+def test_config_is_frozen_validated_and_hashable():
+    cfg = fc.FusionConfig(families=["norm"], handoff="eager")
+    assert cfg.families == frozenset({"norm"}) and hash(cfg) == hash(fc.FusionConfig(families={"norm"}, handoff="eager"))
+    with pytest.raises(Exception):
+        cfg.handoff = "inductor"
+    with pytest.raises(ValueError, match="handoff"):
+        fc.FusionConfig(handoff="tvm")
+    with pytest.raises(ValueError, match="cost_model"):
+        fc.FusionConfig(cost_model="guess")
+
+
+def test_unknown_pattern_name_is_an_error_not_a_silent_no_op():
+    be = fc.backend(handoff="eager", disable_patterns={"rms_nrom"})
+    with pytest.raises(Exception, match="unknown pattern"):
+        torch.compile(rms, backend=be)(torch.randn(4, 32), torch.randn(32))
+
+
+def test_dynamic_shapes_fall_back_with_reason():
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    f = torch.compile(rms, backend=be, dynamic=True)
+    x, w = torch.randn(5, 32), torch.randn(32)
+    torch.testing.assert_close(f(x, w), rms(x, w))
+    [d] = be.log.decisions
+    assert d.verdict == "fallback" and "dynamic shapes" in d.reason
+
+
+def test_no_grad_region_stays_without_gradient():
+    """Values computed under torch.no_grad inside the graph carry no gradient after re-tracing."""
+    def fn(x, w):
+        with torch.no_grad():
+            scale = x.abs().mean()
+        return rms(x, w) * scale
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    gx, gw = torch.autograd.grad(torch.compile(fn, backend=be)(x, w).sum(), (x, w))
+    rx, rw = torch.autograd.grad(fn(x, w).sum(), (x, w))
+    torch.testing.assert_close(gx, rx, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-5)
+    assert fusion_ops(be) == ["fusion::rms_norm"]
+
+
+def test_internal_error_falls_back_and_training_continues(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(engine, "run", broken)
+    be = fc.backend(handoff="aot_eager")
+    x, w = torch.randn(4, 32), torch.randn(32)
+    torch.testing.assert_close(torch.compile(rms, backend=be)(x, w), rms(x, w))
+    [d] = be.log.decisions
+    assert d.verdict == "fallback" and "internal error" in d.reason and "boom" in d.reason
+
+
+def test_kernel_that_fails_is_rejected_with_reason():
+    def replacement(x):
+        raise RuntimeError("cannot compile this kernel")
+    fc.register_pattern("failing_tanh", search=lambda x: torch.tanh(x) * 3.0, replacement=replacement,
+                        example_inputs=[torch.randn(4, 8)])
+    try:
+        be = fc.backend(handoff="aot_eager", cost_model="always")
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(torch.compile(lambda x: torch.tanh(x) * 3.0, backend=be)(x), torch.tanh(x) * 3.0)
+        [d] = be.log.decisions
+        assert d.verdict == "rejected" and "kernel failed" in d.reason and "cannot compile" in d.reason
+    finally:
+        fc.unregister_pattern("failing_tanh")
+
+
+def test_explain_report_table_json_and_logger(caplog):
+    x, w = torch.randn(6, 48), torch.randn(48)
+    with caplog.at_level(logging.INFO, logger="fusion_compiler"):
+        report = fc.explain(rms, x, w, config=fc.FusionConfig(cost_model="always"))
+    [d] = report.decisions
+    assert d.pattern == "rms_norm" and d.family == "norm" and d.verdict == "applied"
+    assert d.location.startswith("test_backend.py:")
+    assert d.inputs == ("f32[6, 48]", "f32[48]", "1e-06")
+    assert d.kernel == "rms_norm" and d.bytes_saved is not None and d.time_saved_us is not None
+    text = str(report)
+    assert "rms_norm" in text and "applied" in text and "1 candidates: 1 applied" in text
+    data = json.loads(report.to_json())
+    assert data["schema"] == "fusion_compiler.report/1"
+    assert data["summary"]["applied"] == 1
+    assert set(data["decisions"][0]) == {"graph", "pattern", "family", "verdict", "reason", "location", "inputs",
+                                        "bytes_saved", "time_saved_us", "kernel"}
+    assert any("applied rms_norm" in r.getMessage() for r in caplog.records)
+
+
+def test_explain_cost_baseline_follows_the_config():
+    """Against eager the fused kernel saves bytes; against Inductor (tied bytes) the measured
+    efficiency decides; tiny shapes are launch-bound ties and stay on Inductor."""
+    x, w = torch.randn(6, 48), torch.randn(48)
+    eager = fc.explain(rms, x, w, config=fc.FusionConfig(handoff="aot_eager")).decisions[0]
+    assert eager.verdict == "applied" and eager.bytes_saved > 0 and "vs eager" in eager.reason
+    ind = fc.explain(rms, x, w).decisions[0]
+    assert ind.verdict == "rejected" and "keep inductor" in ind.reason
+
+
+def test_roofline_applies_measured_wins_and_keeps_measured_losses_on_inductor():
+    """At the reference Llama's shapes (fake tensors: nothing is allocated) the H200 measurements
+    make RMSNorm a fused kernel in training and keep the separate-halves SwiGLU on Inductor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusion_compiler import cost
+    from fusion_compiler.matcher import Match
+    from fusion_compiler.pattern import registered_patterns
+
+    pats = {p.name: p for p in registered_patterns()}
+
+    graph = torch.fx.Graph()
+
+    def _Node(v):
+        node = graph.placeholder(f"p{len(graph.nodes)}")
+        node.meta["val"] = v
+        return node
+
+    with FakeTensorMode():
+        x, w = torch.empty(2, 2048, 2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.bfloat16)
+        g = torch.empty(2, 2048, 8192, dtype=torch.bfloat16)
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", training=True)
+    m = Match(pats["rms_norm"], None, [_Node(x), _Node(w), 1e-6], [_Node(x)], [])
+    assert cost.estimate_fused(m, ctx).profitable
+    m = Match(pats["glu_silu"], None, [_Node(g), _Node(g)], [_Node(g)], [])
+    assert not cost.estimate_fused(m, ctx).profitable

@@ -1,0 +1,58 @@
+"""Canonicalization: many spellings, one ATen form."""
+import torch
+import torch.nn.functional as F
+
+from fusion_compiler.canonical import trace_function
+
+aten = torch.ops.aten
+
+
+def targets(fn, *args):
+    gm = trace_function(fn, list(args))
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"], gm
+
+
+def test_square_spellings_become_pow():
+    x = torch.randn(3, 5)
+    for fn in (lambda x: x * x, lambda x: x ** 2, lambda x: torch.square(x), lambda x: x.pow(2)):
+        t, _ = targets(fn, x)
+        assert t == [aten.pow.Tensor_Scalar], t
+
+
+def test_reciprocal_sqrt_spellings_become_rsqrt():
+    v = torch.rand(3, 5) + 0.5
+    for fn in (lambda v: 1 / torch.sqrt(v), lambda v: torch.reciprocal(v.sqrt()), lambda v: torch.rsqrt(v)):
+        t, _ = targets(fn, v)
+        assert t == [aten.rsqrt.default], t
+    t, _ = targets(lambda a, v: a / torch.sqrt(v), torch.randn(3, 5), v)
+    assert aten.mul.Tensor in t and aten.rsqrt.default in t and aten.div.Tensor not in t
+
+
+def test_sigmoid_times_self_becomes_silu():
+    for fn in (lambda g: g * torch.sigmoid(g), lambda g: torch.sigmoid(g) * g, lambda g: F.silu(g)):
+        t, _ = targets(fn, torch.randn(4, 6))
+        assert t == [aten.silu.default], t
+
+
+def test_dims_are_negative_and_defaults_filled():
+    _, gm = targets(lambda x: x.mean(2, keepdim=True), torch.randn(2, 3, 4))
+    [mean] = [n for n in gm.graph.nodes if n.target is aten.mean.dim]
+    assert mean.args[1] == [-1] and mean.kwargs == {"dtype": None}
+    _, gm = targets(lambda x: F.gelu(x), torch.randn(4))
+    [gelu] = [n for n in gm.graph.nodes if n.target is aten.gelu.default]
+    assert gelu.kwargs == {"approximate": "none"}  # kwarg-only default filled in
+
+
+def test_slice_bounds_are_clamped_to_the_size():
+    _, gm = targets(lambda x: x[..., 4:], torch.randn(2, 8))
+    [s] = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert s.args[1:4] == (-1, 4, 8)
+
+
+def test_in_place_op_on_a_private_intermediate_becomes_functional():
+    def fn(x):
+        y = x.mean(-1, keepdim=True)
+        y.add_(1e-5)
+        return y.rsqrt()
+    t, _ = targets(fn, torch.randn(3, 4))
+    assert aten.add.Tensor in t and aten.add_.Tensor not in t and aten.add_.Scalar not in t

@@ -1,0 +1,29 @@
+"""Every private PyTorch symbol we use lives in fusion_compiler._compat; fail loudly when one moves."""
+import torch
+
+from fusion_compiler import _compat
+
+
+def test_every_private_symbol_resolves():
+    for name in _compat.__all__:
+        assert getattr(_compat, name) is not None, name
+    assert callable(_compat.compile_fx) and callable(_compat.aot_eager) and callable(_compat.detect_fake_mode)
+    assert torch.ops.aten._fused_rms_norm.default in _compat.CANONICAL_DECOMPOSITIONS
+
+
+def test_supported_torch_version():
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    assert (major, minor) >= _compat.MIN_TORCH
+
+
+def test_no_private_torch_import_outside_compat():
+    import pathlib
+    import re
+    root = pathlib.Path(_compat.__file__).parent.parent
+    private = re.compile(r"^\s*(from|import)\s+torch\.(\w+\.)*_\w+", re.M)
+    offenders = []
+    for path in list(root.glob("fusion_compiler/**/*.py")) + list(root.glob("patterns/*.py")) + \
+            list(root.glob("codegen/*.py")):
+        if path.name != "_compat.py" and private.search(path.read_text()):
+            offenders.append(str(path.relative_to(root)))
+    assert offenders == []
