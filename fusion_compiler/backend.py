@@ -3,6 +3,7 @@
     torch.compile(model, backend="fusion")                          # entry point, default config
     torch.compile(model, backend=fusion_compiler.backend(config))   # explicit config
 """
+import dataclasses
 import traceback
 
 import torch
@@ -57,8 +58,7 @@ class FusionBackend:
 def backend(config: FusionConfig | None = None, **overrides) -> FusionBackend:
     """A backend for torch.compile: backend(FusionConfig(...)) or backend(handoff="aot_eager", ...)."""
     if overrides:
-        config = FusionConfig(**overrides) if config is None else \
-            __import__("dataclasses").replace(config, **overrides)
+        config = FusionConfig(**overrides) if config is None else dataclasses.replace(config, **overrides)
     return FusionBackend(config)
 
 
