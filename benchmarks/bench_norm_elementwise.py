@@ -119,12 +119,14 @@ def _flat(o):
     return list(o) if isinstance(o, (tuple, list)) else [o]
 
 
-def run(tokens, hiddens):
+def run(tokens, hiddens, only=None):
     import fusion_compiler as fc
     lib = _liger()
     rows = []
     for hidden in hiddens:
         for kernel, inputs, impls, b_fwd, b_fb in cases(tokens, hidden, lib):
+            if only and kernel not in only:
+                continue
             liger = impls.pop("liger", None)
             impls["inductor"] = torch.compile(impls["eager"], dynamic=False)
             impls["fusion(backend)"] = torch.compile(impls["eager"], backend=fc.backend(cost_model="always"),
@@ -158,10 +160,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--kernels", nargs="+", default=None, help="only these (default: all)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    rows = run(a.tokens, a.hidden)
-    save("norm_elementwise.json", {"env": env(), "tokens": a.tokens, "rows": rows})
+    rows = run(a.tokens, a.hidden, a.kernels)
+    save("norm_elementwise.json", {"env": env(), "tokens": a.tokens, "kernels": a.kernels, "rows": rows})
     print(env())
     print(table(rows, ["kernel", "hidden", "impl", "fwd_us", "fwd_GBps", "fwdbwd_us", "fwdbwd_GBps",
                        "wall_fwdbwd_us", "rel_err"]))

@@ -15,7 +15,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 @rope.register_fake
 def _(x, cos, sin, interleaved):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("fusion::rope_backward", mutates_args=())
@@ -25,7 +25,7 @@ def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Te
 
 @rope_backward.register_fake
 def _(dy, cos, sin, interleaved):
-    return torch.empty_like(dy)
+    return dy.new_empty(dy.shape)
 
 
 def _rope_setup(ctx, inputs, output):

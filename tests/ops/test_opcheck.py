@@ -53,3 +53,27 @@ def test_rope_gradients_reach_cos_and_sin():
             ref = x * c64 + torch.cat((-x[..., 4:], x[..., :4]), -1) * s64
         rc, rs = torch.autograd.grad(ref, (c64, s64), g.double())
         assert torch.allclose(dc.double(), rc, atol=1e-4) and torch.allclose(ds.double(), rs, atol=1e-4)
+
+
+def backward_cases(dtype):
+    x, w = torch.randn(6, 40, dtype=dtype), torch.randn(40, dtype=dtype)
+    y, rstd = fusion.rms_norm(x, w, 1e-6)
+    _, mean, rstd_ln = fusion.layer_norm(x, w, None, 1e-5)
+    theta = torch.randn(2, 1, 5, 8)
+    return [
+        (fusion.rms_norm_backward, (torch.randn_like(y), x, w, rstd, None)),
+        (fusion.rms_norm_backward, (torch.randn_like(y), x, w, rstd, torch.randn_like(x))),
+        (fusion.layer_norm_backward, (torch.randn_like(x), x, w, mean, rstd_ln)),
+        (fusion.layer_norm_backward, (torch.randn_like(x), x, None, mean, rstd_ln)),
+        (fusion.rope_backward, (torch.randn(2, 3, 5, 8, dtype=dtype), theta.cos().to(dtype), theta.sin().to(dtype), False)),
+        (fusion.glu_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), "gelu")),
+        (fusion.glu_packed_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 66, dtype=dtype), "silu", True)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", range(7))
+def test_opcheck_backward_ops(dtype, index):
+    """The backward ops are ops too (no autograd of their own: double backward is not supported)."""
+    op, args = backward_cases(dtype)[index]
+    torch.library.opcheck(op, args)
