@@ -30,7 +30,8 @@ class FusionBackend:
         self.graphs += 1
         try:
             aten_gm, _ = to_aten(gm, example_inputs)
-            grad_inputs = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
+            training = torch.is_grad_enabled()
+            grad_inputs = [training and isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
             engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
             self.rewritten.append(aten_gm)
         except Unsupported as e:

@@ -28,12 +28,18 @@ class Unsupported(Exception):
 
 # --- Dynamo graph -> ATen graph ------------------------------------------------------------------------
 class _GradModeAwareInterpreter(fx.Interpreter):
-    """Runs the Dynamo graph under make_fx; values computed with grad disabled are detached in the
-    traced graph, so the autograd that later runs on it sees exactly the eager graph's grad paths."""
+    """Runs the Dynamo graph under make_fx; values computed where the graph itself turned grad off
+    (torch.no_grad inside the model) are detached in the traced graph, so the autograd that later
+    runs on it sees exactly the eager graph's grad paths. Called with grad already off (inference),
+    nothing needs a gradient and nothing is detached."""
+
+    def run(self, *args, **kwargs):
+        self.grad_on_entry = torch.is_grad_enabled()
+        return super().run(*args, **kwargs)
 
     def run_node(self, n):
         result = super().run_node(n)
-        if not torch.is_grad_enabled():
+        if self.grad_on_entry and not torch.is_grad_enabled():
             result = _detach(result)
         return result
 

@@ -86,6 +86,16 @@ def test_no_grad_region_stays_without_gradient():
     assert fusion_ops(be) == ["fusion::rms_norm"]
 
 
+def test_inference_under_no_grad_matches_and_prices_the_forward_only():
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    with torch.no_grad():
+        out = torch.compile(rms, backend=be)(x, w)
+    torch.testing.assert_close(out, rms(x, w).detach())
+    [d] = be.log.decisions
+    assert d.verdict == "applied" and "fwd+bwd" not in d.reason
+
+
 def test_internal_error_falls_back_and_training_continues(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -167,3 +177,25 @@ def test_roofline_applies_measured_wins_and_keeps_measured_losses_on_inductor():
     assert cost.estimate_fused(m, ctx).profitable
     m = Match(pats["glu_silu"], None, [_Node(g), _Node(g)], [_Node(g)], [])
     assert not cost.estimate_fused(m, ctx).profitable
+
+
+def test_autocast_region_is_matched_and_matches_eager():
+    """Under autocast the re-trace records autocast's casts; the region takes bf16 activations and an
+    fp32 weight and returns what eager returns (bf16 tolerance)."""
+    lin = torch.nn.Linear(32, 64)
+    w = torch.randn(64, requires_grad=True)
+
+    def f(x):
+        return rms(lin(x), w)
+
+    x = torch.randn(4, 32)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(f, backend=be)(x)
+        ref = f(x)
+    assert out.dtype == ref.dtype
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1.5e-2
+    g, r = torch.autograd.grad(out.float().sum(), w)[0], torch.autograd.grad(ref.float().sum(), w)[0]
+    assert ((g - r).norm() / r.norm()).item() < 1.5e-2
+    [d] = be.log.decisions
+    assert d.verdict == "applied" and d.inputs[:2] == ("bf16[4, 64]", "f32[64]")
