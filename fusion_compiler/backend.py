@@ -43,7 +43,12 @@ class FusionBackend:
             self._fallback(gid, f"internal error, graph left to {self.config.handoff}: {type(e).__name__}: {e}\n"
                                 f"{traceback.format_exc(limit=4)}")
             return self._handoff(gm, example_inputs)
-        return self._handoff(aten_gm, example_inputs)
+        try:
+            return self._handoff(aten_gm, example_inputs)
+        except Exception as e:  # noqa: BLE001  (the rewritten graph failed to compile: undo, say why)
+            self._fallback(gid, f"{self.config.handoff} failed on the rewritten graph, compiled the original "
+                                f"instead: {type(e).__name__}: {str(e)[:300]}")
+            return self._handoff(gm, example_inputs)
 
     def _fallback(self, gid: int, reason: str) -> None:
         self.log.add(Decision(gid, "-", "-", "fallback", reason, "", ()))

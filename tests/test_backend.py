@@ -107,6 +107,23 @@ def test_internal_error_falls_back_and_training_continues(monkeypatch):
     assert d.verdict == "fallback" and "internal error" in d.reason and "boom" in d.reason
 
 
+def test_handoff_failure_on_the_rewritten_graph_compiles_the_original(monkeypatch):
+    from fusion_compiler import _compat
+    real = _compat.aot_eager
+
+    def picky(gm, example_inputs):
+        if any(str(n.target).startswith("fusion.") for n in gm.graph.nodes):
+            raise RuntimeError("cannot lower fusion ops")
+        return real(gm, example_inputs)
+
+    monkeypatch.setattr(_compat, "aot_eager", picky)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    x, w = torch.randn(4, 32), torch.randn(32)
+    torch.testing.assert_close(torch.compile(rms, backend=be)(x, w), rms(x, w))
+    assert [d.verdict for d in be.log.decisions] == ["applied", "fallback"]
+    assert "compiled the original" in be.log.decisions[1].reason
+
+
 def test_kernel_that_fails_is_rejected_with_reason():
     def replacement(x):
         raise RuntimeError("cannot compile this kernel")
