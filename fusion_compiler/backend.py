@@ -12,7 +12,7 @@ import torch.fx as fx
 from . import _compat, engine
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
-from .config import FusionConfig
+from .config import ConfigError, FusionConfig
 from .decisions import Decision, DecisionLog
 
 
@@ -37,8 +37,8 @@ class FusionBackend:
         except Unsupported as e:
             self._fallback(gid, str(e))
             return self._handoff(gm, example_inputs)
-        except ValueError:
-            raise  # configuration errors (unknown pattern names) are the user's to fix
+        except ConfigError:
+            raise  # unknown pattern or family names: the user's to fix
         except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
             self._fallback(gid, f"internal error, graph left to {self.config.handoff}: {type(e).__name__}: {e}\n"
                                 f"{traceback.format_exc(limit=4)}")

@@ -7,6 +7,10 @@ COST_MODELS = ("roofline", "always")
 BASELINES = ("inductor", "eager")
 
 
+class ConfigError(ValueError):
+    """A configuration the user must fix (raised, never turned into a fallback)."""
+
+
 def _names(value) -> Optional[frozenset]:
     if value is None:
         return None
@@ -73,4 +77,4 @@ class FusionConfig:
                                    (self.families, families, "family"), (self.disable_families, families, "family")):
             unknown = sorted((given or frozenset()) - known)
             if unknown:
-                raise ValueError(f"unknown {what} name(s) {unknown}; known: {sorted(known)}")
+                raise ConfigError(f"unknown {what} name(s) {unknown}; known: {sorted(known)}")

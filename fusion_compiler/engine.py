@@ -95,8 +95,6 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 res = n.args[0]
                 new_outs = [env[r] for r in (res if isinstance(res, (list, tuple)) else (res,))]
                 continue
-            if n.op == "get_attr":
-                raise ValueError("replacement creates tensor constants; return them from an op instead")
             env[n] = graph.node_copy(n, lambda a: env[a])
             if trace:
                 env[n].meta["stack_trace"] = trace
@@ -185,6 +183,9 @@ def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.Graph
         replacement = trace_function(pattern.replacement, values)
     except Exception as e:  # noqa: BLE001
         return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None
+    if any(n.op == "get_attr" for n in replacement.graph.nodes):
+        return _row(gid, pattern, match, "rejected",
+                    "replacement creates tensor constants; compute them inside an op instead"), None
     reason = estimate.reason() if config.cost_model == "roofline" else \
         f"cost model off (cost_model='always'); {estimate.reason()}"
     return _row(gid, pattern, match, "applied", reason, estimate), replacement
