@@ -17,8 +17,8 @@ def main():
     data = json.load(open(sys.argv[1]))
     bw = float(sys.argv[2]) * 1e12 if len(sys.argv) > 2 else 4.3e12
     table = {}
-    by = {(r["kernel"], r["hidden"], r["impl"]): r for r in data["rows"]}
-    for (kernel, hidden, impl), r in sorted(by.items()):
+    by = {(r["kernel"], r["hidden"], r["impl"]): r for r in data["rows"] if "hidden" in r}
+    for (kernel, hidden, impl), r in sorted(by.items(), key=str):
         if impl != "fusion(backend)" or kernel not in KERNELS:
             continue
         ind = by[(kernel, hidden, "inductor")]
