@@ -7,13 +7,14 @@ Pairs (a, b) of the last dimension rotate by angle theta:
     y_b = x_b * cos_b + x_a * sin_b
 The backward is the same rotation with sin_a' = -sin_b and sin_b' = -sin_a (the transpose).
 x has any strides (a non-unit last-dim stride is copied first); cos/sin broadcast by zero strides;
-the output is contiguous.
+the output is laid out like x.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, interpreting
+from . import launch
+from .launch import interpreting
 
 
 @triton.jit
@@ -89,16 +90,17 @@ def rope_check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def rope(x, cos, sin, interleaved: bool, backward: bool = False):
-    """Rotate x (or, with backward=True, rotate a gradient back); returns a contiguous tensor."""
+    """Rotate x (or, with backward=True, rotate a gradient back); returns a tensor laid out like x."""
     if x.stride(-1) != 1:  # e.g. an expanded gradient: the kernel walks the last dim with unit stride
         x = x.contiguous()
     lead = x.shape[:-1]
     cos = (cos if cos.stride(-1) == 1 else cos.contiguous()).expand(*lead, cos.shape[-1])
     sin = (sin if sin.stride(-1) == 1 else sin.contiguous()).expand(*lead, sin.shape[-1])
-    # A contiguous output whatever x's layout (HF's q is a transposed view): autograd then hands back
-    # contiguous gradients, and SDPA prefers it. Following x's strides made AOTAutograd copy every
-    # incoming gradient into a contiguous tangent (two strided copies per step, seen on the H200).
-    y = alloc(x.shape, x.dtype, x.device)
+    # The output follows x's layout, as eager's x * cos + ... does: the traced graph downstream (views
+    # after SDPA, say) relies on the layout of the region it replaces.
+    y = torch.empty_like(x)
+    if launch.POISON:
+        y.fill_(float("nan"))
     x4, c4, s4, y4 = (_as_4d(t) for t in (x, cos, sin, y))
     rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
     half = x.shape[-1] // 2

@@ -10,6 +10,9 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     slice bounds clamped                           slice(x, -1, 0, 2**63-1) -> slice(x, -1, 0, size)
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
+    matmul re-composed                             the expand/clone/view -> bmm -> view chain that
+                                                   make_fx leaves for a batched a @ b (its shape
+                                                   depends on the operands' strides) -> matmul(a, b)
 Patterns are traced and canonicalized by the same code, so both sides meet in one form.
 """
 import torch
@@ -209,6 +212,51 @@ def _algebra(graph: fx.Graph, node: fx.Node) -> None:
         node.target, node.args = aten.mul.Tensor, (a[0], r)
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _matmul_operand(node):
+    """The tensor a bmm operand was flattened from: view(clone?(expand?(t))) -> t (None if not)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS):
+        return None
+    src = node.args[0]
+    if _is_call(src, aten.clone.default):
+        src = src.args[0]
+    if _is_call(src, aten.expand.default):
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and val(src) is not None and val(src).dim() >= 3 else None
+
+
+def _recompose_matmul(graph: fx.Graph, node: fx.Node) -> None:
+    """view(bmm(flatten(a), flatten(b)), out_shape) -> matmul(a, b) when the shapes agree."""
+    if node.target not in _VIEWS or not _is_call(node.args[0], aten.bmm.default) or len(node.args[0].users) != 1:
+        return
+    bmm = node.args[0]
+    a, b = _matmul_operand(bmm.args[0]), _matmul_operand(bmm.args[1])
+    if a is None or b is None:
+        return
+    va, vb, out = val(a), val(b), val(node)
+    if out is None or va.shape[-1] != vb.shape[-2]:
+        return
+    try:
+        batch = torch.broadcast_shapes(va.shape[:-2], vb.shape[:-2])
+    except RuntimeError:
+        return
+    if tuple(out.shape) != (*batch, va.shape[-2], vb.shape[-1]):
+        return
+    mode = getattr(va, "fake_mode", None)
+    if mode is None:
+        return
+    with mode:
+        recomposed = torch.matmul(va, vb)
+    if recomposed.stride() != out.stride():  # later views may rely on the original layout
+        return
+    with graph.inserting_before(node):
+        mm = graph.call_function(aten.matmul.default, (a, b))
+    mm.meta = dict(node.meta)
+    node.replace_all_uses_with(mm)
+
+
 def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
@@ -225,5 +273,8 @@ def canonicalize(graph: fx.Graph) -> None:
         elif node.target is aten.cat.default:
             _cat_dims(node)
         _algebra(graph, node)
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            _recompose_matmul(graph, node)
     graph.eliminate_dead_code()
 

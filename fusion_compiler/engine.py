@@ -70,6 +70,21 @@ def verify_replacement(pattern, values: list, training: bool) -> str | None:
     return _VERIFIED[key]
 
 
+def _layout_change(match, replacement: fx.GraphModule) -> str | None:
+    """The graph downstream was traced against the region's output layouts (a later view may rely
+    on them): a replacement must produce the same shapes and strides."""
+    out = next(n for n in replacement.graph.nodes if n.op == "output").args[0]
+    new = out if isinstance(out, (list, tuple)) else (out,)
+    for old, nn_ in zip(match.outputs, new):
+        ov, nv = val(old), val(nn_)
+        if ov is None or nv is None:
+            continue
+        if tuple(ov.shape) != tuple(nv.shape) or (ov.numel() > 1 and tuple(ov.stride()) != tuple(nv.stride())):
+            return (f"replacement output {list(nv.shape)} strides {tuple(nv.stride())} differs from the region's "
+                    f"{list(ov.shape)} strides {tuple(ov.stride())}")
+    return None
+
+
 def _insertion_point(graph: fx.Graph, match, order: dict) -> fx.Node | None:
     """The node after which the replacement goes: the region's last input (or the first node)."""
     inputs = [a for a in match.inputs if isinstance(a, fx.Node)]
@@ -186,6 +201,9 @@ def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.Graph
     if any(n.op == "get_attr" for n in replacement.graph.nodes):
         return _row(gid, pattern, match, "rejected",
                     "replacement creates tensor constants; compute them inside an op instead"), None
+    layout = _layout_change(match, replacement)
+    if layout:
+        return _row(gid, pattern, match, "rejected", layout), None
     reason = estimate.reason() if config.cost_model == "roofline" else \
         f"cost model off (cost_model='always'); {estimate.reason()}"
     return _row(gid, pattern, match, "applied", reason, estimate), replacement

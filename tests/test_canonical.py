@@ -56,3 +56,13 @@ def test_in_place_op_on_a_private_intermediate_becomes_functional():
         return y.rsqrt()
     t, _ = targets(fn, torch.randn(3, 4))
     assert aten.add.Tensor in t and aten.add_.Tensor not in t and aten.add_.Scalar not in t
+
+
+def test_batched_matmul_is_recomposed_whatever_the_strides():
+    q = torch.randn(2, 8, 3, 4).transpose(1, 2)  # (2, 3, 8, 4), not contiguous
+    k = torch.randn(2, 3, 8, 4)
+    for a in (q, q.contiguous()):
+        t, gm = targets(lambda a, k: a @ k.transpose(-2, -1), a, k)
+        assert t == [aten.transpose.int, aten.matmul.default], t
+    t, _ = targets(lambda a, b: torch.bmm(a, b), torch.randn(3, 4, 5), torch.randn(3, 5, 2))
+    assert t == [aten.bmm.default]  # a user's own bmm stays a bmm

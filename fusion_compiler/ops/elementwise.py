@@ -15,7 +15,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 @rope.register_fake
 def _(x, cos, sin, interleaved):
-    return x.new_empty(x.shape)
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("fusion::rope_backward", mutates_args=())

@@ -119,3 +119,13 @@ def test_mixed_devices_are_rejected():
     match = Match(None, None, [], [], [])
     match.input_values = lambda: [torch.empty(4, 8), torch.empty(8, device="meta")]
     assert "several devices" in kernel_inputs(match)
+
+
+def test_region_whose_layout_the_op_would_change_is_rejected():
+    """x laid out column-major: eager's result follows x's strides, our op writes rows; the graph
+    downstream was traced against the original layout, so the region stays as it is."""
+    x, w = torch.randn(N, 6).t(), _w(torch.float32)
+    be, out = _decisions(RMS_SPELLINGS["hand_written"], x, w)
+    [d] = be.log.decisions
+    assert d.verdict == "rejected" and "strides" in d.reason
+    torch.testing.assert_close(out, RMS_SPELLINGS["hand_written"](x, w))
