@@ -7,6 +7,7 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     in-place ops on private intermediates          add_(t, eps) -> add(t, eps)
     Scalar overloads                               mul.Scalar -> mul.Tensor
     non-negative dims                              mean(x, [2]) on 3-D x -> mean(x, [-1])
+    transpose dims ordered                         x.transpose(-1, -2) -> x.transpose(-2, -1)
     slice bounds clamped                           slice(x, -1, 0, 2**63-1) -> slice(x, -1, 0, size)
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
@@ -172,6 +173,8 @@ def _negative_dims(node: fx.Node) -> None:
             args[p] = d - rank if d >= 0 else d
         elif isinstance(d, (list, tuple)) and all(isinstance(i, int) for i in d):
             args[p] = [i - rank if i >= 0 else i for i in d]
+    if node.target is aten.transpose.int and args[1] > args[2]:  # transpose(x, a, b) == transpose(x, b, a)
+        args[1], args[2] = args[2], args[1]
     if node.target is aten.slice.Tensor and len(args) >= 4:
         size = val(src).shape[args[1]]
         args[2] = min(max(args[2] + size if args[2] < 0 else args[2], 0), size) if args[2] is not None else 0
@@ -228,12 +231,18 @@ def _matmul_operand(node):
 
 
 def _recompose_matmul(graph: fx.Graph, node: fx.Node) -> None:
-    """view(bmm(flatten(a), flatten(b)), out_shape) -> matmul(a, b) when the shapes agree."""
-    if node.target not in _VIEWS or not _is_call(node.args[0], aten.bmm.default) or len(node.args[0].users) != 1:
+    """view(bmm(flatten(a), flatten(b)), out_shape) -> matmul(a, b) when the shapes agree; a plain
+    bmm(a, b) (torch.bmm, or @ on 3-D tensors) is the same product: matmul(a, b) too."""
+    if node.target is aten.bmm.default and not all(_matmul_operand(x) is not None for x in node.args[:2]):
+        a, b = node.args[0], node.args[1]
+    elif node.target in _VIEWS and _is_call(node.args[0], aten.bmm.default) and len(node.args[0].users) == 1:
+        bmm = node.args[0]
+        a, b = _matmul_operand(bmm.args[0]), _matmul_operand(bmm.args[1])
+        if a is None or b is None:
+            return
+    else:
         return
-    bmm = node.args[0]
-    a, b = _matmul_operand(bmm.args[0]), _matmul_operand(bmm.args[1])
-    if a is None or b is None:
+    if val(a) is None or val(b) is None:
         return
     va, vb, out = val(a), val(b), val(node)
     if out is None or va.shape[-1] != vb.shape[-2]:

@@ -29,6 +29,8 @@ class DeviceProfile:
     efficiency: dict
     eager_efficiency: float = 0.7
     default_efficiency: float = 0.75  # for kernels without measurements: ours and Inductor's alike
+    matmul_flops: float = 737e12  # bf16 dense, measured
+    flash_efficiency: float = 0.45  # SDPA flash fwd+bwd: 334 TFLOP/s of 737 on the H100 (anchors)
 
 
 # Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
@@ -48,8 +50,8 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
                    (8192, 0.98, 1.026, 0.971, 0.708)),
 }
 PROFILES = {
-    "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}),
-    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200),
+    "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12),
+    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12),
 }
 REFERENCE = "h200"
 
@@ -149,3 +151,25 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
         base_l = len(interior) * (3 if ctx.training else 1)
         base_s = base_l * p.launch_s + base_bytes / (p.bandwidth * p.eager_efficiency)
     return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")
+
+
+def estimate_attention(match, ctx: CostContext, causal: bool) -> Estimate:
+    """Flash attention (SDPA) against the unfused spelling, which materializes the B*H*Lq*Lk scores:
+    written by the first matmul, read and written by softmax (and the mask), read by the second
+    matmul; about twice as many passes again in the backward. Both do the matmul FLOPs (the
+    unfused one at cuBLAS efficiency, ~0.7; flash skips the masked half when causal)."""
+    q, k, v = match.tensor_inputs()[:3]
+    b_h = q.numel() // (q.shape[-2] * q.shape[-1])
+    lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    flops = 4 * b_h * lq * lk * d * (3.5 if ctx.training else 1.0)
+    p = ctx.profile
+    io = sum(map(nbytes, (q, k, v))) + nbytes(q) * (4 if ctx.training else 1)
+    ours_s = 2 * p.launch_s + max(flops * (0.5 if causal else 1.0) / (p.matmul_flops * p.flash_efficiency),
+                                   io / p.bandwidth)
+    scores = b_h * lq * lk * q.element_size() * (12 if ctx.training else 4)
+    base_l = 5 * (3 if ctx.training else 1)
+    base_s = base_l * p.launch_s + flops / (p.matmul_flops * 0.7) + scores / p.bandwidth
+    if ctx.baseline == "eager":
+        base_s += scores / p.bandwidth  # eager does not fuse the mask and scale into the softmax
+    return Estimate(ours_s, base_s, io, io + scores, ctx.baseline,
+                    f"{lq}x{lk} scores per head not materialized; {flops / 1e9:.1f} GFLOP")

@@ -7,6 +7,7 @@ Matching walks back from an anchor (the node that computes the pattern's first o
 - float-to-float casts (_to_copy with only a dtype change) are transparent on both sides, because
   every project kernel loads, computes in fp32 and writes the dtype of the region's output (a cast
   the user wrote after the region stays and applies to the op's output);
+- x / d in the user's graph matches x * c in the pattern when c == 1 / d (scales are spelled both ways);
 - literals: floats equal to a scalar argument's example value bind that argument; ints that give
   sizes (view/expand/slice bounds/split sizes/normalized_shape) match any int in the loose pass,
   every other literal must be equal. A loose match is then verified exactly against the search
@@ -29,7 +30,7 @@ _SHAPE_ARGS = {
     aten.view.default: (1,), aten._unsafe_view.default: (1,), aten.reshape.default: (1,),
     aten.expand.default: (1,), aten.slice.Tensor: (2, 3), aten.split.Tensor: (1,),
     aten.split_with_sizes.default: (1,), aten.native_layer_norm.default: (1,),
-    aten.narrow.default: (2, 3),
+    aten.narrow.default: (2, 3), aten.ones.default: (0,), aten.zeros.default: (0,), aten.full.default: (0,),
 }
 
 
@@ -68,11 +69,18 @@ class Match:
         return [v for v in self.input_values() if isinstance(v, torch.Tensor)]
 
     def escaping(self) -> Optional[tuple[fx.Node, fx.Node]]:
-        """(intermediate, outside user) when an intermediate of the region is used outside it."""
+        """(intermediate, outside user) when an intermediate of the region is used outside it.
+        Intermediates that depend on no region input (a causal mask built from constants, shared by
+        every layer) may have other users: they stay in the graph for them."""
         inside = set(self.nodes)
         outs = set(self.outputs)
+        inputs = {a for a in self.inputs if isinstance(a, fx.Node)}
+        dependent = set()
+        for n in self.nodes:  # graph order: inputs of a node come before it
+            if any(a in inputs or a in dependent for a in n.all_input_nodes):
+                dependent.add(n)
         for n in self.nodes:
-            if n in outs:
+            if n in outs or n not in dependent:
                 continue
             for user in n.users:
                 if user not in inside:
@@ -142,6 +150,8 @@ class Matcher:
             t = t.args[0]
         if p in st.bind:
             return st.bind[p] is t
+        if p.target is aten.mul.Tensor and _is_scalar_div(t):
+            return self._scaled(p, t, st)
         if t.op != "call_function" or t.target != p.target or len(t.args) != len(p.args):
             return False
         if set(t.kwargs) != set(p.kwargs):
@@ -164,6 +174,19 @@ class Matcher:
                 return True
         return False
 
+    def _scaled(self, p: fx.Node, t: fx.Node, st: _State) -> bool:
+        """Pattern x * c against the user's x / d: the same when c == 1 / d (c may be a scalar argument)."""
+        pa, pc = p.args[0], p.args[1]
+        if not isinstance(pa, fx.Node) or isinstance(pc, fx.Node):
+            return False
+        trial = st.copy()
+        trial.bind[p] = t
+        trial.interior.append(t)
+        if self._node(pa, t.args[0], trial) and self._arg(pc, 1.0 / t.args[1], trial, False):
+            st.bind, st.scalars, st.interior = trial.bind, trial.scalars, trial.interior
+            return True
+        return False
+
     def _arg(self, pa, ta, st: _State, shape_like: bool) -> bool:
         if isinstance(pa, fx.Node):
             return self._node(pa, ta, st)
@@ -179,9 +202,17 @@ class Matcher:
             return st.scalars.setdefault(idx, ta) == ta
         if shape_like and isinstance(pa, int) and not isinstance(pa, bool):
             return isinstance(ta, int) and not isinstance(ta, bool)
+        if isinstance(pa, torch.device) and not self.exact:  # example inputs live on the CPU
+            return isinstance(ta, torch.device)
         if type(pa) is not type(ta) and not (isinstance(pa, (int, float)) and isinstance(ta, (int, float))):
             return False
         return pa == ta
+
+
+def _is_scalar_div(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.div.Tensor and \
+        len(node.args) == 2 and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool) \
+        and node.args[1] != 0 and not node.kwargs.get("rounding_mode")
 
 
 def candidates(graph: fx.Graph, target) -> list[fx.Node]:
