@@ -1,0 +1,52 @@
+"""HF Llama with attn_implementation="eager" and HF GPT-2 (small configs, random weights): 3 training
+steps under the fusion backend match eager, and every layer's hand-written attention became SDPA.
+
+Dropout is off (attention, residual, embedding): with it on, eager and SDPA draw different random
+masks and no two runs could be compared. Tolerances as in test_hf_models.py.
+"""
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import fusion_compiler as fc
+from tests.models.test_hf_models import _train
+from tests.helpers import rel_err
+
+LAYERS = 2
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_implementation="eager")),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eager_attention_trains_as_sdpa(name):
+    torch.manual_seed(0)
+    ref, ours = MODELS[name](), MODELS[name]()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 256, (2, 24))
+    be = fc.backend(handoff="aot_eager", families={"attention"})
+    losses, grads = _train(ours, torch.compile(ours, backend=be), ids)
+    ref_losses, ref_grads = _train(ref, ref, ids)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+    for g, r in zip(grads, ref_grads):
+        for n in r:
+            assert rel_err(g[n], r[n]) <= 1e-3, f"grad of {n}: {rel_err(g[n], r[n]):.2e}"
+    applied = [d for d in be.log.decisions if d.verdict == "applied"]
+    assert len(applied) == LAYERS and {d.pattern for d in applied} == {"attention_additive_mask"}, \
+        fc.Report(be.log.decisions)
+    assert all(d.location.startswith(f"modeling_{name}.py:") for d in applied)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_explain_shows_every_layers_attention(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = torch.randint(0, 256, (2, 24))
+    report = fc.explain(model, input_ids=ids, labels=ids)
+    assert len(report.where(family="attention", verdict="applied")) == LAYERS, report
