@@ -8,8 +8,7 @@
     gelu_tanh'   = (1 + t) / 2 + g * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 g^2) / 2
 Backward: d_gate = dy * up * act'(gate), d_up = dy * act(gate).
 gate, up and their gradients are [rows, N] views with their own row strides, so the halves of a fused
-gate/up projection are read (and their gradients written) in place, with no copy or concatenation;
-when every operand is contiguous the kernels index one flat 1-D range instead (fewer index ops).
+gate/up projection are read (and their gradients written) in place, with no copy or concatenation.
 """
 import torch
 import triton
@@ -47,23 +46,15 @@ def _glu_fwd_kernel(
     # row strides
     stride_g, stride_u, stride_y,
     # meta-parameters
-    ACT: tl.constexpr, FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if FLAT:  # every operand is contiguous: one 1-D block of BLOCK_M * BLOCK_N elements
-        offs = tl.program_id(0) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M * BLOCK_N)
-        mask = offs < M * N
-        og, ou, oy = offs, offs, offs
-    else:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        og = rows[:, None] * stride_g + cols[None, :]
-        ou = rows[:, None] * stride_u + cols[None, :]
-        oy = rows[:, None] * stride_y + cols[None, :]
-    g = tl.load(GATE + og, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(UP + ou, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(GATE + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
-    tl.store(Y + oy, (a * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -75,44 +66,23 @@ def _glu_bwd_kernel(
     # row strides
     stride_dy, stride_g, stride_u, stride_dg, stride_du,
     # meta-parameters
-    ACT: tl.constexpr, FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if FLAT:
-        offs = tl.program_id(0) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M * BLOCK_N)
-        mask = offs < M * N
-        ody, og, ou, odg, odu = offs, offs, offs, offs, offs
-    else:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        ody = rows[:, None] * stride_dy + cols[None, :]
-        og = rows[:, None] * stride_g + cols[None, :]
-        ou = rows[:, None] * stride_u + cols[None, :]
-        odg = rows[:, None] * stride_dg + cols[None, :]
-        odu = rows[:, None] * stride_du + cols[None, :]
-    dy = tl.load(DY + ody, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(GATE + og, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(UP + ou, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(GATE + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_grad(g, ACT)
-    tl.store(DGATE + odg, (dy * u * da).to(DGATE.dtype.element_ty), mask=mask)
-    tl.store(DUP + odu, (dy * a).to(DUP.dtype.element_ty), mask=mask)
+    tl.store(DGATE + rows[:, None] * stride_dg + cols[None, :], (dy * u * da).to(DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + rows[:, None] * stride_du + cols[None, :], (dy * a).to(DUP.dtype.element_ty), mask=mask)
 
 
 def _tile(n: int) -> tuple[int, int]:
     block_n = min(triton.next_power_of_2(max(n, 1)), 1024)
     block_m = max(1, (16384 if interpreting() else 2048) // block_n)
     return block_m, block_n
-
-
-def _grid(m: int, n: int, block_m: int, block_n: int, flat: bool) -> tuple[int, ...]:
-    if flat:
-        return (triton.cdiv(m * n, block_m * block_n),)
-    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-
-
-def _flat(n: int, *tensors) -> bool:
-    """Rows of every operand are back to back (and offsets fit in 32 bits): index as one 1-D array."""
-    return all(t.stride(0) == n for t in tensors) and tensors[0].numel() < 2**31
 
 
 def glu_fwd(gate, up, act: str):
@@ -122,11 +92,10 @@ def glu_fwd(gate, up, act: str):
     m = g2.shape[0]
     y = alloc((m, n), torch.promote_types(gate.dtype, up.dtype), gate.device)
     block_m, block_n = _tile(n)
-    flat = _flat(n, g2, u2, y)
     if m * n > 0:
-        _glu_fwd_kernel[_grid(m, n, block_m, block_n, flat)](
+        _glu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
-            ACT=ACTIVATIONS[act], FLAT=flat, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return y.view(gate.shape)
 
@@ -139,11 +108,10 @@ def glu_bwd(dy, gate, up, act: str, dgate=None, dup=None):
     dgate = alloc((m, n), gate.dtype, gate.device) if dgate is None else dgate
     dup = alloc((m, n), up.dtype, up.device) if dup is None else dup
     block_m, block_n = _tile(n)
-    flat = _flat(n, dy2, g2, u2, dgate, dup)
     if m * n > 0:
-        _glu_bwd_kernel[_grid(m, n, block_m, block_n, flat)](
+        _glu_bwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             dy2, g2, u2, dgate, dup, m, n,
             dy2.stride(0), g2.stride(0), u2.stride(0), dgate.stride(0), dup.stride(0),
-            ACT=ACTIVATIONS[act], FLAT=flat, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return dgate, dup
