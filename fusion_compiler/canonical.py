@@ -8,9 +8,11 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     Scalar overloads                               mul.Scalar -> mul.Tensor
     non-negative dims                              mean(x, [2]) on 3-D x -> mean(x, [-1])
     transpose dims ordered                         x.transpose(-1, -2) -> x.transpose(-2, -1)
+    a permute swapping two dims is a transpose     x.permute(0, 1, 3, 2) -> x.transpose(-2, -1)
     slice bounds clamped                           slice(x, -1, 0, 2**63-1) -> slice(x, -1, 0, size)
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
+    einsum as matmul                               einsum("bhqd,bhkd->bhqk", q, k) -> q @ k^T
     matmul re-composed                             the expand/clone/view -> bmm -> view chain that
                                                    make_fx leaves for a batched a @ b (its shape
                                                    depends on the operands' strides) -> matmul(a, b)
@@ -46,6 +48,47 @@ class _GradModeAwareInterpreter(fx.Interpreter):
         if self.grad_on_entry and not torch.is_grad_enabled():
             result = _detach(result)
         return result
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.einsum and not kwargs:
+            product = einsum_as_matmul(*args)
+            if product is not None:
+                return product
+        return super().call_function(target, args, kwargs)
+
+
+def einsum_as_matmul(equation, *operands):
+    """A two-operand einsum that is a batched matrix product (batch indices shared by both operands
+    and the output, one free index per operand, one contracted index), as permute -> matmul ->
+    permute: the spelling that canonicalizes like `a @ b`. None for any other einsum."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    a_idx, b_idx = terms
+    a, b = operands
+    if len(set(a_idx)) != len(a_idx) or len(set(b_idx)) != len(b_idx) or len(set(out)) != len(out) or \
+            a.dim() != len(a_idx) or b.dim() != len(b_idx):
+        return None
+    contracted = [c for c in a_idx if c in b_idx and c not in out]
+    batch = [c for c in out if c in a_idx and c in b_idx]
+    free_a = [c for c in a_idx if c not in b_idx]
+    free_b = [c for c in b_idx if c not in a_idx]
+    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 or \
+            sorted(out) != sorted(batch + free_a + free_b) or any(c not in out for c in free_a + free_b):
+        return None
+    a_p = _permuted(a, [a_idx.index(c) for c in batch + free_a + contracted])
+    b_p = _permuted(b, [b_idx.index(c) for c in batch + contracted + free_b])
+    product_idx = batch + free_a + free_b
+    return _permuted(torch.matmul(a_p, b_p), [product_idx.index(c) for c in out])
+
+
+def _permuted(t, dims):
+    return t if dims == list(range(t.dim())) else t.permute(dims)
 
 
 def _detach(value):
@@ -189,6 +232,15 @@ def _cat_dims(node: fx.Node) -> None:
         node.args = (tensors, dim - first.dim())
 
 
+def _single_swap(node: fx.Node) -> None:
+    """permute that exchanges exactly two dims -> transpose (the spelling patterns use)."""
+    dims = list(node.args[1])
+    moved = [i for i, d in enumerate(dims) if d != i]
+    if len(moved) == 2:
+        rank = len(dims)
+        node.target, node.args = aten.transpose.int, (node.args[0], moved[0] - rank, moved[1] - rank)
+
+
 def _is_call(node, target) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
 
@@ -276,6 +328,8 @@ def canonicalize(graph: fx.Graph) -> None:
                 and len(src.users) == 1):
             node.target = functional
         node.target = _SCALAR_TO_TENSOR.get(node.target, node.target)
+        if node.target is aten.permute.default:
+            _single_swap(node)
         _fill_defaults(node)
         if node.target in _DIM_ARG:
             _negative_dims(node)

@@ -66,3 +66,15 @@ def test_batched_matmul_is_recomposed_whatever_the_strides():
         assert t == [aten.transpose.int, aten.matmul.default], t
     t, _ = targets(lambda a, b: torch.bmm(a, b), torch.randn(3, 4, 5), torch.randn(3, 5, 2))
     assert t == [aten.matmul.default]  # a batched product, however spelled
+
+
+def test_matmul_shaped_einsum_is_a_matmul_and_others_are_kept():
+    from fusion_compiler.canonical import einsum_as_matmul
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8)
+    for eq, a, b in (("bhqd,bhkd->bhqk", q, k), ("bhqk,bhkd->bhqd", torch.randn(2, 3, 5, 7), k),
+                     ("bqhd,bkhd->bhqk", q.transpose(1, 2), k.transpose(1, 2)), ("ij,jk->ik", torch.randn(4, 5), torch.randn(5, 6)),
+                     ("bij,bkj->bki", torch.randn(2, 3, 4), torch.randn(2, 5, 4))):
+        torch.testing.assert_close(einsum_as_matmul(eq, a, b), torch.einsum(eq, a, b))
+    assert einsum_as_matmul("ij,ij->ij", torch.randn(2, 3), torch.randn(2, 3)) is None  # no contraction
+    assert einsum_as_matmul("bij,bjk,bkl->bil", q, k, q) is None  # three operands
+    assert einsum_as_matmul("ii->i", torch.randn(3, 3)) is None

@@ -128,3 +128,10 @@ def test_attention_roofline_at_the_anchor_shape():
     m = Match(pat, None, [node(q), node(q), node(q), 0.088], [node(q)], [])
     est = cost.estimate_attention(m, cost.CostContext(cost.PROFILES["h100"], "inductor", True), causal=True)
     assert est.profitable and 0.5e-3 < est.ours_s < 1.0e-3 and 2.5e-3 < est.baseline_s < 4e-3, est
+
+
+def test_einsum_spelling():
+    def fn(q, k, v):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+        return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
+    check_rewrite(fn, _qkv(5, 7), {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
