@@ -169,6 +169,8 @@ def _fill_defaults(node: fx.Node) -> None:
                 args.append(kwargs.pop(arg.name))
             elif arg.has_default_value():
                 args.append(arg.default_value)
+    if kwargs.get("pin_memory") is None and "pin_memory" in kwargs:
+        kwargs["pin_memory"] = False  # None and False both mean "not pinned"
     node.args, node.kwargs = tuple(args), kwargs
 
 

@@ -8,8 +8,11 @@ as they are):
     slice, padding masks), causal built in the graph with triu(ones(L, S, bool), 1).
 Emitted: F.scaled_dot_product_attention (is_causal for the built-in causal mask, so the flash kernel
 applies), made contiguous like the matmul it replaces.
-Not yet matched (left to Inductor, no decision): dropout on the probabilities, einsum scores,
-score modifications (soft-capping, ALiBi, sliding windows, relative bias) and FlexAttention.
+    dropout on the probabilities (training): SDPA's dropout_p; its random mask is not eager's (same
+    distribution, other draws);
+    einsum("bhqd,bhkd->bhqk") scores (canonicalized to matmul).
+Not yet matched (left to Inductor, no decision): score modifications (soft-capping, ALiBi, sliding
+windows, relative bias) and FlexAttention.
 """
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,11 @@ def _scores(q, k, scale):
 
 
 # --- search functions --------------------------------------------------------------------------------
+def _dropped(probs, keep):
+    """F.dropout(probs, 1 - keep, training=True), written as it canonicalizes (keep binds exactly)."""
+    return probs * (torch.empty_like(probs).bernoulli_(keep) / keep)
+
+
 def attention(q, k, v, scale):
     """before: softmax(q @ k^T * scale) @ v              after: sdpa(q, k, v, scale=scale)"""
     return torch.softmax(_scores(q, k, scale), dim=-1) @ v
@@ -49,17 +57,44 @@ def attention_bool_mask(q, k, v, masked, scale):
     return torch.softmax(_scores(q, k, scale).masked_fill(masked, float("-inf")), dim=-1) @ v
 
 
+def _causal_scores(q, k, scale):
+    lq, lk = q.shape[-2], k.shape[-2]
+    masked = torch.triu(torch.ones(lq, lk, dtype=torch.bool, device=q.device), diagonal=1)
+    return _scores(q, k, scale).masked_fill(masked, float("-inf"))
+
+
 def attention_causal(q, k, v, scale):
     """before: the same with masked = triu(ones(L, S, bool), 1) built in the graph
     after:  sdpa(q, k, v, is_causal=True, scale=scale)"""
-    lq, lk = q.shape[-2], k.shape[-2]
-    masked = torch.triu(torch.ones(lq, lk, dtype=torch.bool, device=q.device), diagonal=1)
-    return torch.softmax(_scores(q, k, scale).masked_fill(masked, float("-inf")), dim=-1) @ v
+    return torch.softmax(_causal_scores(q, k, scale), dim=-1) @ v
+
+
+def attention_dropout(q, k, v, scale, keep):
+    """before: dropout(softmax(q @ k^T * scale), 1 - keep) @ v   after: sdpa(..., dropout_p=1 - keep)"""
+    return _dropped(torch.softmax(_scores(q, k, scale), dim=-1), keep) @ v
+
+
+def attention_additive_mask_dropout(q, k, v, mask, scale, keep):
+    """before: dropout(softmax(q @ k^T * scale + mask), 1 - keep) @ v (HF eager attention in training)
+    after:  sdpa(q, k, v, attn_mask=mask, dropout_p=1 - keep, scale=scale)"""
+    return _dropped(torch.softmax(_scores(q, k, scale) + mask, dim=-1), keep) @ v
+
+
+def attention_bool_mask_dropout(q, k, v, masked, scale, keep):
+    """before: dropout(softmax(scores.masked_fill(masked, -inf)), 1 - keep) @ v (nanoGPT in training)
+    after:  sdpa(q, k, v, attn_mask=~masked, dropout_p=1 - keep, scale=scale)"""
+    return _dropped(torch.softmax(_scores(q, k, scale).masked_fill(masked, float("-inf")), dim=-1), keep) @ v
+
+
+def attention_causal_dropout(q, k, v, scale, keep):
+    """before: dropout(softmax(causal scores), 1 - keep) @ v  after: sdpa(..., is_causal=True, dropout_p=1 - keep)"""
+    return _dropped(torch.softmax(_causal_scores(q, k, scale), dim=-1), keep) @ v
 
 
 # --- replacements ------------------------------------------------------------------------------------
-def _sdpa(q, k, v, scale, mask=None, causal=False):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale).contiguous()
+def _sdpa(q, k, v, scale, mask=None, causal=False, keep=1.0):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          dropout_p=1.0 - keep).contiguous()
 
 
 # --- checks ------------------------------------------------------------------------------------------
@@ -108,21 +143,37 @@ def _should(causal: bool):
 
 
 _QKV = [torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)]
-register_pattern("attention", family="attention", kernel="sdpa", search=attention,
-                 replacement=lambda q, k, v, scale: _sdpa(q, k, v, scale),
-                 example_inputs=[*_QKV, SCALE], can_apply=_legal, should_apply=_should(False), priority=30)
-register_pattern("attention_prescaled_q", family="attention", kernel="sdpa", search=attention_prescaled_q,
-                 replacement=lambda q, k, v, scale: _sdpa(q, k, v, scale),
-                 example_inputs=[*_QKV, SCALE], can_apply=_legal, should_apply=_should(False), priority=30)
-register_pattern("attention_additive_mask", family="attention", kernel="sdpa", search=attention_additive_mask,
-                 replacement=lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, mask=mask.to(q.dtype)),
-                 example_inputs=[*_QKV, torch.randn(2, 1, 5, 7), SCALE], can_apply=_mask_legal,
-                 should_apply=_should(False), priority=40)
-register_pattern("attention_bool_mask", family="attention", kernel="sdpa", search=attention_bool_mask,
-                 replacement=lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, mask=~masked),
-                 example_inputs=[*_QKV, torch.rand(1, 1, 5, 7) > 0.5, SCALE], can_apply=_mask_legal,
-                 should_apply=_should(False), priority=40)
-register_pattern("attention_causal", family="attention", kernel="sdpa", search=attention_causal,
-                 replacement=lambda q, k, v, scale: _sdpa(q, k, v, scale, causal=True),
-                 example_inputs=[torch.randn(2, 3, 7, 8), *_QKV[1:], SCALE], can_apply=_legal,
-                 should_apply=_should(True), priority=50)
+_CAUSAL_QKV = [torch.randn(2, 3, 7, 8), *_QKV[1:]]
+_MASK = torch.randn(2, 1, 5, 7)
+_MASKED = torch.rand(1, 1, 5, 7) > 0.5
+KEEP = 0.876543  # distinctive example value of the dropout keep probability
+
+
+def _register(name, search, replacement, examples, legal, causal=False, priority=30):
+    register_pattern(name, family="attention", kernel="sdpa", search=search, replacement=replacement,
+                     example_inputs=examples, can_apply=legal, should_apply=_should(causal), priority=priority)
+
+
+_register("attention", attention, lambda q, k, v, scale: _sdpa(q, k, v, scale), [*_QKV, SCALE], _legal)
+_register("attention_prescaled_q", attention_prescaled_q, lambda q, k, v, scale: _sdpa(q, k, v, scale),
+          [*_QKV, SCALE], _legal)
+_register("attention_additive_mask", attention_additive_mask,
+          lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, mask=mask.to(q.dtype)),
+          [*_QKV, _MASK, SCALE], _mask_legal, priority=40)
+_register("attention_bool_mask", attention_bool_mask,
+          lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, mask=~masked),
+          [*_QKV, _MASKED, SCALE], _mask_legal, priority=40)
+_register("attention_causal", attention_causal, lambda q, k, v, scale: _sdpa(q, k, v, scale, causal=True),
+          [*_CAUSAL_QKV, SCALE], _legal, causal=True, priority=50)
+# with dropout on the probabilities (training): larger regions, so they run first
+_register("attention_dropout", attention_dropout,
+          lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, keep=keep), [*_QKV, SCALE, KEEP], _legal, priority=60)
+_register("attention_additive_mask_dropout", attention_additive_mask_dropout,
+          lambda q, k, v, mask, scale, keep: _sdpa(q, k, v, scale, mask=mask.to(q.dtype), keep=keep),
+          [*_QKV, _MASK, SCALE, KEEP], _mask_legal, priority=70)
+_register("attention_bool_mask_dropout", attention_bool_mask_dropout,
+          lambda q, k, v, masked, scale, keep: _sdpa(q, k, v, scale, mask=~masked, keep=keep),
+          [*_QKV, _MASKED, SCALE, KEEP], _mask_legal, priority=70)
+_register("attention_causal_dropout", attention_causal_dropout,
+          lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
+          [*_CAUSAL_QKV, SCALE, KEEP], _legal, causal=True, priority=80)

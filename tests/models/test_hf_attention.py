@@ -50,3 +50,15 @@ def test_explain_shows_every_layers_attention(name):
     ids = torch.randint(0, 256, (2, 24))
     report = fc.explain(model, input_ids=ids, labels=ids)
     assert len(report.where(family="attention", verdict="applied")) == LAYERS, report
+
+
+def test_gpt2_training_attention_dropout_is_matched():
+    """GPT-2's default attn_pdrop=0.1 in training: the dropout on the probabilities goes into SDPA."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=64,
+                                       attn_implementation="eager"))
+    ids = torch.randint(0, 256, (2, 24))
+    report = fc.explain(model, input_ids=ids, labels=ids)
+    applied = report.where(family="attention", verdict="applied")
+    assert [d.pattern for d in applied] == ["attention_additive_mask_dropout"] * LAYERS, report
+    assert all(d.inputs[-1] == "0.9" for d in applied)

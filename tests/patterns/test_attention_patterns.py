@@ -135,3 +135,25 @@ def test_einsum_spelling():
         s = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
         return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
     check_rewrite(fn, _qkv(5, 7), {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+
+
+def test_dropout_becomes_sdpa_dropout_with_the_same_distribution():
+    """Eager's and SDPA's random masks differ draw by draw; their expectation is the dropout-free
+    attention: the mean of 400 draws lands within a few standard errors of it, while a single draw
+    does not (dropout is really applied), and gradients flow."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        return F.dropout(torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1), 0.2, True) @ v
+    q, k, v = _qkv(6, 6)
+    be = fc.backend(handoff="aot_eager")
+    f = torch.compile(fn, backend=be)
+    ref = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    draws = torch.stack([f(q, k, v) for _ in range(400)])
+    assert (draws.mean(0) - ref).norm() / ref.norm() < 0.05
+    assert (draws[0] - ref).norm() / ref.norm() > 0.1
+    [d] = be.log.decisions
+    assert d.pattern == "attention_dropout" and d.verdict == "applied" and d.inputs[-1] == "0.8"
+    qg = q.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(qg, k, v).sum(), qg)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
