@@ -31,6 +31,7 @@ class DeviceProfile:
     default_efficiency: float = 0.75  # for kernels without measurements: ours and Inductor's alike
     matmul_flops: float = 737e12  # bf16 dense, measured
     flash_efficiency: float = 0.45  # SDPA flash fwd+bwd: 334 TFLOP/s of 737 on the H100 (anchors)
+    flex_efficiency: float = 0.20  # FlexAttention softcap+causal fwd+bwd: 1.63 ms, 147 TFLOP/s (anchors)
 
 
 # Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
@@ -153,7 +154,7 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
     return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")
 
 
-def estimate_attention(match, ctx: CostContext, causal: bool) -> Estimate:
+def estimate_attention(match, ctx: CostContext, causal: bool, flex: bool = False) -> Estimate:
     """Flash attention (SDPA) against the unfused spelling, which materializes the B*H*Lq*Lk scores:
     written by the first matmul, read and written by softmax (and the mask), read by the second
     matmul; about twice as many passes again in the backward. Both do the matmul FLOPs (the
@@ -164,8 +165,8 @@ def estimate_attention(match, ctx: CostContext, causal: bool) -> Estimate:
     flops = 4 * b_h * lq * lk * d * (3.5 if ctx.training else 1.0)
     p = ctx.profile
     io = sum(map(nbytes, (q, k, v))) + nbytes(q) * (4 if ctx.training else 1)
-    ours_s = 2 * p.launch_s + max(flops * (0.5 if causal else 1.0) / (p.matmul_flops * p.flash_efficiency),
-                                   io / p.bandwidth)
+    eff = p.flex_efficiency if flex else p.flash_efficiency
+    ours_s = 2 * p.launch_s + max(flops * (0.5 if causal else 1.0) / (p.matmul_flops * eff), io / p.bandwidth)
     scores = b_h * lq * lk * q.element_size() * (12 if ctx.training else 4)
     base_l = 5 * (3 if ctx.training else 1)
     base_s = base_l * p.launch_s + flops / (p.matmul_flops * 0.7) + scores / p.bandwidth

@@ -110,6 +110,12 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 res = n.args[0]
                 new_outs = [env[r] for r in (res if isinstance(res, (list, tuple)) else (res,))]
                 continue
+            if n.op == "get_attr":  # a subgraph of a higher-order op (FlexAttention's score_mod)
+                name = _fresh_attr(gm, n.target)
+                gm.add_submodule(name, getattr(replacement, n.target))
+                env[n] = graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+                continue
             env[n] = graph.node_copy(n, lambda a: env[a])
             if trace:
                 env[n].meta["stack_trace"] = trace
@@ -121,6 +127,13 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 new = cast
             old.replace_all_uses_with(new)
     graph.eliminate_dead_code()
+
+
+def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
+    i = 0
+    while hasattr(gm, f"fusion_{base}_{i}"):
+        i += 1
+    return f"fusion_{base}_{i}"
 
 
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
@@ -198,7 +211,8 @@ def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.Graph
         replacement = trace_function(pattern.replacement, values)
     except Exception as e:  # noqa: BLE001
         return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None
-    if any(n.op == "get_attr" for n in replacement.graph.nodes):
+    if any(n.op == "get_attr" and not isinstance(getattr(replacement, n.target), fx.GraphModule)
+           for n in replacement.graph.nodes):
         return _row(gid, pattern, match, "rejected",
                     "replacement creates tensor constants; compute them inside an op instead"), None
     layout = _layout_change(match, replacement)

@@ -11,11 +11,16 @@ applies), made contiguous like the matmul it replaces.
     dropout on the probabilities (training): SDPA's dropout_p; its random mask is not eager's (same
     distribution, other draws);
     einsum("bhqd,bhkd->bhqk") scores (canonicalized to matmul).
-Not yet matched (left to Inductor, no decision): score modifications (soft-capping, ALiBi, sliding
-windows, relative bias) and FlexAttention.
+    logit soft-capping tanh(scores / cap) * cap (Gemma 2), with or without an additive mask: SDPA
+    cannot express it, so it becomes FlexAttention with the score_mod derived from the match (Inductor
+    compiles it into one fused kernel, forward and backward).
+ALiBi and relative position biases added as tensors are additive masks (SDPA's attn_mask, gradient
+included); sliding windows built as bool masks are bool masks. Not yet matched: a causal mask derived
+from the data (so that flash's is_causal or a FlexAttention block mask could apply).
 """
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from fusion_compiler import cost
 from fusion_compiler.pattern import register_pattern
@@ -91,7 +96,30 @@ def attention_causal_dropout(q, k, v, scale, keep):
     return _dropped(torch.softmax(_causal_scores(q, k, scale), dim=-1), keep) @ v
 
 
+def attention_softcap(q, k, v, scale, cap):
+    """before: softmax(tanh(q @ k^T * scale / cap) * cap) @ v   after: flex_attention(score_mod=softcap)"""
+    return torch.softmax(torch.tanh(_scores(q, k, scale) / cap) * cap, dim=-1) @ v
+
+
+def attention_softcap_mask(q, k, v, mask, scale, cap):
+    """before: softmax(tanh(q @ k^T * scale / cap) * cap + mask) @ v (HF Gemma 2 eager)
+    after:  flex_attention(score_mod=softcap then + mask[b, h, q, k])"""
+    return torch.softmax(torch.tanh(_scores(q, k, scale) / cap) * cap + mask, dim=-1) @ v
+
+
 # --- replacements ------------------------------------------------------------------------------------
+def _flex(q, k, v, scale, cap, mask=None):
+    if mask is not None:
+        mask = mask.to(q.dtype).expand(*q.shape[:-1], k.shape[-2])
+
+    def score_mod(s, b, h, qi, ki):
+        s = torch.tanh(s / cap) * cap
+        return s + mask[b, h, qi, ki] if mask is not None else s
+
+    return flex_attention(q, k, v, score_mod=score_mod, scale=scale).contiguous()
+
+
+
 def _sdpa(q, k, v, scale, mask=None, causal=False, keep=1.0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           dropout_p=1.0 - keep).contiguous()
@@ -138,8 +166,8 @@ def _mask_legal(match) -> str | None:
     return None
 
 
-def _should(causal: bool):
-    return lambda match, ctx: cost.estimate_attention(match, ctx, causal)
+def _should(causal: bool, flex: bool = False):
+    return lambda match, ctx: cost.estimate_attention(match, ctx, causal, flex)
 
 
 _QKV = [torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)]
@@ -149,9 +177,10 @@ _MASKED = torch.rand(1, 1, 5, 7) > 0.5
 KEEP = 0.876543  # distinctive example value of the dropout keep probability
 
 
-def _register(name, search, replacement, examples, legal, causal=False, priority=30):
-    register_pattern(name, family="attention", kernel="sdpa", search=search, replacement=replacement,
-                     example_inputs=examples, can_apply=legal, should_apply=_should(causal), priority=priority)
+def _register(name, search, replacement, examples, legal, causal=False, priority=30, kernel="sdpa"):
+    register_pattern(name, family="attention", kernel=kernel, search=search, replacement=replacement,
+                     example_inputs=examples, can_apply=legal, should_apply=_should(causal, kernel == "flex"),
+                     priority=priority)
 
 
 _register("attention", attention, lambda q, k, v, scale: _sdpa(q, k, v, scale), [*_QKV, SCALE], _legal)
@@ -177,3 +206,9 @@ _register("attention_bool_mask_dropout", attention_bool_mask_dropout,
 _register("attention_causal_dropout", attention_causal_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
           [*_CAUSAL_QKV, SCALE, KEEP], _legal, causal=True, priority=80)
+CAP = 29.87654  # distinctive example value of the soft-cap
+_register("attention_softcap", attention_softcap, lambda q, k, v, scale, cap: _flex(q, k, v, scale, cap),
+          [*_QKV, SCALE, CAP], _legal, priority=60, kernel="flex")
+_register("attention_softcap_mask", attention_softcap_mask,
+          lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, mask=mask),
+          [*_QKV, _MASK, SCALE, CAP], _mask_legal, priority=70, kernel="flex")

@@ -157,3 +157,48 @@ def test_dropout_becomes_sdpa_dropout_with_the_same_distribution():
     qg = q.clone().requires_grad_()
     (g,) = torch.autograd.grad(f(qg, k, v).sum(), qg)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+def _gemma2(q, k, v, mask):  # HF Gemma 2 eager attention with logit soft-capping
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.3
+    w = w / 50.0
+    w = torch.tanh(w)
+    w = w * 50.0
+    w = w + mask
+    return torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _causal_additive(n):
+    return torch.zeros(1, 1, n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def test_softcap_becomes_flex_attention_with_the_derived_score_mod():
+    q, k, v = _qkv(16, 16)
+    be = fc.backend(handoff="aot_eager")
+    out = torch.compile(_gemma2, backend=be)(q, k, v, _causal_additive(16))
+    ref = _gemma2(q.double(), k.double(), v.double(), _causal_additive(16).double())
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+    [d] = be.log.decisions
+    assert d.pattern == "attention_softcap_mask" and d.verdict == "applied" and d.inputs[-2:] == ("0.3", "50.0")
+    names = [str(n.target) for gm in be.rewritten for n in gm.graph.nodes]
+    assert any("flex_attention" in n for n in names) and "aten._softmax.default" not in names
+
+
+def test_softcap_in_training_on_cpu_is_rejected_with_the_kernels_reason():
+    """FlexAttention has no CPU backward: the one-time kernel check refuses the region, eager stays."""
+    q, k, v = (t.requires_grad_() for t in _qkv(16, 16))
+    be = fc.backend(handoff="aot_eager")
+    out = torch.compile(_gemma2, backend=be)(q, k, v, _causal_additive(16))
+    [d] = be.log.decisions
+    assert d.verdict == "rejected" and "does not support backward on CPU" in d.reason
+    torch.testing.assert_close(out, _gemma2(q, k, v, _causal_additive(16)))
+
+
+def test_learned_relative_position_bias_gets_its_gradient():
+    """A bias added to the scores (ALiBi, T5-style relative position bias) is an additive mask; when
+    it is learned, its gradient through SDPA matches eager's."""
+    def fn(q, k, v, bias):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
+    q, k, v = _qkv(9, 9)
+    bias = torch.randn(1, 3, 9, 9)
+    check_rewrite(fn, [q, k, v, bias], {"attention_additive_mask": 1}, config=fc.FusionConfig(handoff="aot_eager"))
