@@ -101,6 +101,7 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
     placeholders = [n for n in replacement.graph.nodes if n.op == "placeholder"]
     env = {ph: a for ph, a in zip(placeholders, match.inputs) if isinstance(a, fx.Node)}
     trace = match.anchor.meta.get("stack_trace")
+    region = set(match.nodes)
     new_outs = None
     with graph.inserting_before(after.next):
         for n in replacement.graph.nodes:
@@ -125,7 +126,8 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 cast = graph.call_function(torch.ops.aten._to_copy.default, (new,), {"dtype": ov.dtype})
                 cast.meta["val"] = ov
                 new = cast
-            old.replace_all_uses_with(new)
+            # users inside the region are about to die (and may sit before the insertion point)
+            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in region)
     graph.eliminate_dead_code()
 
 

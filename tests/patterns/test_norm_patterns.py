@@ -129,3 +129,13 @@ def test_region_whose_layout_the_op_would_change_is_rejected():
     [d] = be.log.decisions
     assert d.verdict == "rejected" and "strides" in d.reason
     torch.testing.assert_close(out, RMS_SPELLINGS["hand_written"](x, w))
+
+
+def test_weight_computed_after_the_residual_sum():
+    """Gemma's (1 + w) is computed after h = x + r: the fused op goes after it, and h's own uses
+    inside the region (before that point) must not be redirected to it."""
+    def block(x, r, w):
+        h = x + r
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed * (1.0 + w), h  # the weight term last, as Gemma2RMSNorm does
+    check_rewrite(block, [torch.randn(3, N), torch.randn(3, N), 0.1 * torch.randn(N)], {"add_rms_norm": 1})

@@ -1,0 +1,55 @@
+"""HF Gemma 2 (small config, eager attention): logit soft-capping, (1 + w) RMSNorms, tanh-GeGLU.
+
+Inference: every region is rewritten (soft-capped attention as FlexAttention) and the logits match
+eager. Training on the CPU: FlexAttention has no CPU backward, so the one-time kernel check keeps the
+attention on eager with that reason, the rest is rewritten, and 3 steps match eager.
+"""
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+import fusion_compiler as fc
+from tests.helpers import rel_err
+from tests.models.test_hf_models import _train
+
+LAYERS = 2
+
+
+def _model():
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attn_implementation="eager",
+        sliding_window=8))
+
+
+def test_gemma2_inference_rewrites_every_region():
+    model = _model()
+    ids = torch.randint(0, 256, (2, 24))
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    with torch.no_grad():
+        out = torch.compile(model, backend=be)(input_ids=ids).logits
+        ref = model(input_ids=ids).logits
+    assert rel_err(out, ref) < 1e-5
+    applied = {}
+    for d in be.log.decisions:
+        assert d.verdict == "applied", d
+        applied[d.pattern] = applied.get(d.pattern, 0) + 1
+    assert applied == {"attention_softcap_mask": LAYERS, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
+                       "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS}
+
+
+def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
+    ref, ours = _model(), _model()
+    ids = torch.randint(0, 256, (2, 24))
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    losses, grads = _train(ours, torch.compile(ours, backend=be), ids)
+    ref_losses, ref_grads = _train(ref, ref, ids)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+    for g, r in zip(grads, ref_grads):
+        for n in r:
+            assert rel_err(g[n], r[n]) <= 1e-3, f"grad of {n}: {rel_err(g[n], r[n]):.2e}"
+    attention = [d for d in be.log.decisions if d.family == "attention"]
+    assert len(attention) == LAYERS and all(d.verdict == "rejected" and "backward on CPU" in d.reason
+                                            for d in attention)
+    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS
