@@ -76,3 +76,10 @@ def check_rewrite(fn, args, expect: dict, dtype=torch.float32, config=None, fact
             applied[d.pattern] = applied.get(d.pattern, 0) + 1
     assert applied == expect, f"applied {applied}, expected {expect}\n{fc.Report(be.log.decisions)}"
     return be
+
+
+def placeholder_with(graph, value):
+    """A placeholder in `graph` carrying `value` as its meta['val'] (to build Matches by hand)."""
+    node = graph.placeholder(f"p{len(graph.nodes)}")
+    node.meta["val"] = value
+    return node

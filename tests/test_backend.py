@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fusion_compiler as fc
 from fusion_compiler import engine
-from tests.helpers import fusion_ops
+from tests.helpers import fusion_ops, placeholder_with
 
 
 def rms(x, w):
@@ -182,9 +182,7 @@ def test_roofline_applies_measured_wins_and_keeps_measured_losses_on_inductor():
     graph = torch.fx.Graph()
 
     def _Node(v):
-        node = graph.placeholder(f"p{len(graph.nodes)}")
-        node.meta["val"] = v
-        return node
+        return placeholder_with(graph, v)
 
     with FakeTensorMode():
         x, w = torch.empty(2, 2048, 2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.bfloat16)

@@ -9,8 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import fusion_compiler as fc
-from tests.models.test_hf_models import _train
-from tests.helpers import rel_err
+from tests.models.test_hf_models import train_both_and_compare
 
 LAYERS = 2
 MODELS = {
@@ -25,18 +24,8 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_eager_attention_trains_as_sdpa(name):
-    torch.manual_seed(0)
-    ref, ours = MODELS[name](), MODELS[name]()
-    ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 256, (2, 24))
     be = fc.backend(handoff="aot_eager", families={"attention"})
-    losses, grads = _train(ours, torch.compile(ours, backend=be), ids)
-    ref_losses, ref_grads = _train(ref, ref, ids)
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
-    for g, r in zip(grads, ref_grads):
-        for n in r:
-            assert rel_err(g[n], r[n]) <= 1e-3, f"grad of {n}: {rel_err(g[n], r[n]):.2e}"
+    train_both_and_compare(MODELS[name], be)
     applied = [d for d in be.log.decisions if d.verdict == "applied"]
     assert len(applied) == LAYERS and {d.pattern for d in applied} == {"attention_additive_mask"}, \
         fc.Report(be.log.decisions)

@@ -34,12 +34,13 @@ def _train(model, forward, ids, steps=3):
     return losses, grads
 
 
-def _compare(name, backend):
+def train_both_and_compare(make_model, backend, vocab=256):
+    """Train a copy compiled with `backend` and an eager copy 3 steps; losses and every gradient agree."""
     torch.manual_seed(0)
-    ref = MODELS[name]()
-    ours = MODELS[name]()
+    ref = make_model()
+    ours = make_model()
     ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, SMALL["vocab_size"], (2, 24))
+    ids = torch.randint(0, vocab, (2, 24))
     ref_losses, ref_grads = _train(ref, ref, ids)
     losses, grads = _train(ours, torch.compile(ours, backend=backend), ids)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -53,7 +54,7 @@ def _compare(name, backend):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_with_every_region_fused(name):
     be = fc.backend(handoff="aot_eager", cost_model="always")
-    _compare(name, be)
+    train_both_and_compare(MODELS[name], be)
     applied = {}
     for d in be.log.decisions:
         assert d.verdict == "applied", d
@@ -80,7 +81,7 @@ def test_llama_by_name_with_inductor_and_the_roofline():
     """backend="fusion" as a user writes it: Inductor hand-off, default cost model. At these tiny
     shapes every region is launch-bound and ties with Inductor, so each is rejected with that reason."""
     before = len(fc.last_report().decisions)
-    _compare("llama", "fusion")
+    train_both_and_compare(MODELS["llama"], "fusion")
     new = fc.last_report().decisions[before:]
     assert {d.pattern for d in new} >= {"add_rms_norm", "rope_rotate_half", "glu_silu"}
     for d in new:

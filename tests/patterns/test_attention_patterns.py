@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from tests.helpers import check_rewrite, fusion_ops  # noqa: F401
+from tests.helpers import check_rewrite, placeholder_with
 
 
 def _qkv(lq=13, lk=13, d=16, dtype=torch.float32, bh=(2, 3)):
@@ -118,9 +118,7 @@ def test_attention_roofline_at_the_anchor_shape():
     graph = torch.fx.Graph()
 
     def node(v):
-        n = graph.placeholder(f"p{len(graph.nodes)}")
-        n.meta["val"] = v
-        return n
+        return placeholder_with(graph, v)
 
     with FakeTensorMode():
         q = torch.empty(4, 16, 2048, 128, dtype=torch.bfloat16)
