@@ -149,8 +149,8 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
         if not config.enables(pattern):
             continue
         loose = Matcher(pattern.graph(), pattern.scalar_names, exact=False)
+        live = set(gm.graph.nodes)  # changes only when a rewrite erases nodes
         for anchor in candidates(gm.graph, loose.anchor_target):
-            live = set(gm.graph.nodes)
             if anchor not in live:
                 continue
             match = loose.match(pattern, anchor)
@@ -166,6 +166,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                 else:
                     _rewrite(gm, match, replacement, after)
                     needs_grad = _needs_grad(gm, grad_inputs)
+                    live = set(gm.graph.nodes)
                     applied += 1
             log.add(decision)
     gm.recompile()
