@@ -6,8 +6,9 @@ as they are):
     matmul, or q * c before it; softmax in the input dtype or upcast to fp32 and back;
     masks: none, an additive float mask (HF eager), masked_fill(bool mask, -inf) (nanoGPT's buffer
     slice, padding masks), causal built in the graph with triu(ones(L, S, bool), 1).
-Emitted: F.scaled_dot_product_attention (is_causal for the built-in causal mask, so the flash kernel
-applies), made contiguous like the matmul it replaces.
+Emitted: F.scaled_dot_product_attention, made contiguous like the matmul it replaces; is_causal (the
+flash kernel) for a causal mask built in the graph, whether spelled as triu(ones) or computed from
+constants (HF's eager mask: evaluated at compile time and checked to be causal).
     dropout on the probabilities (training): SDPA's dropout_p; its random mask is not eager's (same
     distribution, other draws);
     einsum("bhqd,bhkd->bhqk") scores (canonicalized to matmul).
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from fusion_compiler import cost
+from fusion_compiler.constants import constant_value, is_causal_mask
 from fusion_compiler.pattern import register_pattern
 
 from fusion_compiler.ops import SUPPORTED_DTYPES
@@ -166,6 +168,23 @@ def _mask_legal(match) -> str | None:
     return None
 
 
+def _constant_causal_legal(additive: bool):
+    def legal(match) -> str | None:
+        why = _mask_legal(match)
+        if why:
+            return why
+        mask_node = match.inputs[3]
+        value = constant_value(mask_node) if hasattr(mask_node, "meta") else None
+        # a mask computed from graph inputs (padding, a buffer) may change from call to call
+        if value is None:
+            return "mask is computed from graph inputs: not known at compile time"
+        # a constant mask that is not causal (sliding window, prefix-LM) keeps its own pattern
+        if not is_causal_mask(value, additive):
+            return "constant mask is not causal"
+        return None
+    return legal
+
+
 def _should(causal: bool, flex: bool = False):
     return lambda match, ctx: cost.estimate_attention(match, ctx, causal, flex)
 
@@ -194,6 +213,13 @@ _register("attention_bool_mask", attention_bool_mask,
           [*_QKV, _MASKED, SCALE], _mask_legal, priority=40)
 _register("attention_causal", attention_causal, lambda q, k, v, scale: _sdpa(q, k, v, scale, causal=True),
           [*_CAUSAL_QKV, SCALE], _legal, causal=True, priority=50)
+# a mask the graph builds from constants and that is causal: flash's is_causal instead of a mask read
+_register("attention_causal_mask", attention_additive_mask,
+          lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, causal=True),
+          [*_QKV, _MASK, SCALE], _constant_causal_legal(additive=True), causal=True, priority=45)
+_register("attention_causal_bool_mask", attention_bool_mask,
+          lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, causal=True),
+          [*_QKV, _MASKED, SCALE], _constant_causal_legal(additive=False), causal=True, priority=45)
 # with dropout on the probabilities (training): larger regions, so they run first
 _register("attention_dropout", attention_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, keep=keep), [*_QKV, SCALE, KEEP], _legal, priority=60)
@@ -203,6 +229,9 @@ _register("attention_additive_mask_dropout", attention_additive_mask_dropout,
 _register("attention_bool_mask_dropout", attention_bool_mask_dropout,
           lambda q, k, v, masked, scale, keep: _sdpa(q, k, v, scale, mask=~masked, keep=keep),
           [*_QKV, _MASKED, SCALE, KEEP], _mask_legal, priority=70)
+_register("attention_causal_mask_dropout", attention_additive_mask_dropout,
+          lambda q, k, v, mask, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
+          [*_QKV, _MASK, SCALE, KEEP], _constant_causal_legal(additive=True), causal=True, priority=75)
 _register("attention_causal_dropout", attention_causal_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
           [*_CAUSAL_QKV, SCALE, KEEP], _legal, causal=True, priority=80)

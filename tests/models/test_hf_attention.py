@@ -27,7 +27,9 @@ def test_eager_attention_trains_as_sdpa(name):
     be = fc.backend(handoff="aot_eager", families={"attention"})
     train_both_and_compare(MODELS[name], be)
     applied = [d for d in be.log.decisions if d.verdict == "applied"]
-    assert len(applied) == LAYERS and {d.pattern for d in applied} == {"attention_additive_mask"}, \
+    # HF builds the causal mask in the graph from constants: recognized as causal, so SDPA gets
+    # is_causal (the flash kernel on a GPU) instead of reading the mask
+    assert len(applied) == LAYERS and {d.pattern for d in applied} == {"attention_causal_mask"}, \
         fc.Report(be.log.decisions)
     assert all(d.location.startswith(f"modeling_{name}.py:") for d in applied)
 
@@ -49,5 +51,22 @@ def test_gpt2_training_attention_dropout_is_matched():
     ids = torch.randint(0, 256, (2, 24))
     report = fc.explain(model, input_ids=ids, labels=ids)
     applied = report.where(family="attention", verdict="applied")
-    assert [d.pattern for d in applied] == ["attention_additive_mask_dropout"] * LAYERS, report
+    assert [d.pattern for d in applied] == ["attention_causal_mask_dropout"] * LAYERS, report
     assert all(d.inputs[-1] == "0.9" for d in applied)
+
+
+def test_padding_mask_keeps_the_mask():
+    """With a padding attention_mask the mask depends on a graph input: it cannot be known at compile
+    time, so the causal variant is rejected with that reason and SDPA reads the mask; logits match."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    ids = torch.randint(0, 256, (2, 24))
+    pad = torch.ones(2, 24, dtype=torch.long)
+    pad[0, :5] = 0
+    be = fc.backend(handoff="aot_eager", families={"attention"})
+    out = torch.compile(model, backend=be)(input_ids=ids, attention_mask=pad).logits
+    ref = model(input_ids=ids, attention_mask=pad).logits
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    verdicts = [(d.pattern, d.verdict) for d in be.log.decisions]
+    assert verdicts == [("attention_causal_mask", "rejected")] * LAYERS + [("attention_additive_mask", "applied")] * LAYERS
+    assert "computed from graph inputs" in be.log.decisions[0].reason
