@@ -13,6 +13,7 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
     einsum as matmul                               einsum("bhqd,bhkd->bhqk", q, k) -> q @ k^T
+    float casts after views                       view(x.float()) -> view(x).float()
     matmul re-composed                             the expand/clone/view -> bmm -> view chain that
                                                    make_fx leaves for a batched a @ b (its shape
                                                    depends on the operands' strides) -> matmul(a, b)
@@ -154,6 +155,40 @@ def trace_function(fn, example_inputs) -> fx.GraphModule:
 def val(node):
     """The fake value a node carries (make_fx records it as meta['val'])."""
     return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_float_cast(node) -> bool:
+    """A _to_copy that only changes a floating dtype (no device, layout or memory-format change)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten._to_copy.default):
+        return False
+    src, out = val(node.args[0]), val(node)
+    if src is None or out is None or src.device != out.device:
+        return False
+    extra = {k: v for k, v in node.kwargs.items() if v is not None and k not in ("dtype", "layout", "device")}
+    return src.dtype in _FLOATS and out.dtype in _FLOATS and not extra.get("memory_format") and \
+        not extra.get("non_blocking") and not extra.get("pin_memory")
+
+
+def _cast_after_view(graph: fx.Graph, node: fx.Node) -> None:
+    """view(cast(x)) -> cast(view(x)): the cast moves next to its consumer, so a region that binds the
+    viewed tensor binds it in x's dtype and the upcast copy is never materialized (HF's LM loss)."""
+    if node.target not in _VIEWS or not is_float_cast(node.args[0]) or len(node.args[0].users) != 1:
+        return
+    cast, src = node.args[0], node.args[0].args[0]
+    mode = getattr(val(src), "fake_mode", None)
+    if mode is None:
+        return
+    with mode:
+        viewed = val(src).view(node.args[1])
+    with graph.inserting_before(node):
+        view = graph.call_function(node.target, (src, *node.args[1:]), dict(node.kwargs))
+        new_cast = graph.call_function(aten._to_copy.default, (view,), dict(cast.kwargs))
+    view.meta = dict(node.meta, val=viewed)
+    new_cast.meta = dict(node.meta)
+    node.replace_all_uses_with(new_cast)
 
 
 def _fill_defaults(node: fx.Node) -> None:
@@ -341,5 +376,6 @@ def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op == "call_function":
             _recompose_matmul(graph, node)
+            _cast_after_view(graph, node)
     graph.eliminate_dead_code()
 

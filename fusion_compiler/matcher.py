@@ -19,12 +19,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonical import val
+from .canonical import is_float_cast, val
 
 aten = torch.ops.aten
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # op -> positions of arguments that hold sizes (wildcards in the loose pass)
 _SHAPE_ARGS = {
     aten.view.default: (1,), aten._unsafe_view.default: (1,), aten.reshape.default: (1,),
@@ -32,18 +31,6 @@ _SHAPE_ARGS = {
     aten.split_with_sizes.default: (1,), aten.native_layer_norm.default: (1,),
     aten.narrow.default: (2, 3), aten.ones.default: (0,), aten.zeros.default: (0,), aten.full.default: (0,),
 }
-
-
-def is_float_cast(node) -> bool:
-    """A _to_copy that only changes a floating dtype (no device, layout or memory-format change)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten._to_copy.default):
-        return False
-    src, out = val(node.args[0]), val(node)
-    if src is None or out is None or src.device != out.device:
-        return False
-    extra = {k: v for k, v in node.kwargs.items() if v is not None and k not in ("dtype", "layout", "device")}
-    return src.dtype in _FLOATS and out.dtype in _FLOATS and not extra.get("memory_format") and \
-        not extra.get("non_blocking") and not extra.get("pin_memory")
 
 
 def strip_casts(node):

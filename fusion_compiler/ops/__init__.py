@@ -7,7 +7,9 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.rope(x, cos, sin, interleaved)         -> x rotated
     torch.ops.fusion.glu(gate, up, act)                     -> act(gate) * up
     torch.ops.fusion.glu_packed(x, act, gate_first)         -> the same on the two halves of x
+    torch.ops.fusion.cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
+                                                            -> (loss, d loss / d logits)
 """
-from . import elementwise, norm  # noqa: F401  (registers the ops)
+from . import elementwise, loss, norm  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES

@@ -61,7 +61,7 @@ def test_trains_with_every_region_fused(name):
         applied[d.pattern] = applied.get(d.pattern, 0) + 1
     # the first input norm has no residual add before it; the rest (and the final norm) do
     assert applied == {"rms_norm": 1, "add_rms_norm": 2 * LAYERS, "rope_rotate_half": 2 * LAYERS,
-                       "glu_silu": LAYERS}
+                       "glu_silu": LAYERS, "cross_entropy_mean": 1}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -74,7 +74,10 @@ def test_explain_shows_every_layer(name):
     assert len(report.where(pattern="rope_rotate_half", verdict="applied")) == 2 * LAYERS
     assert len(report.where(pattern="glu_silu", verdict="applied")) == LAYERS
     assert len(report.where(family="norm", verdict="applied")) == 2 * LAYERS + 1
-    assert all(loc.startswith(f"modeling_{name}.py:") for locs in locations.values() for loc in locs)
+    assert all(loc.startswith(f"modeling_{name}.py:") for p, locs in locations.items() for loc in locs
+               if not p.startswith("cross_entropy"))
+    [loss] = report.where(family="loss")
+    assert loss.location.startswith("loss_utils.py:") and loss.verdict == "applied"
 
 
 def test_llama_by_name_with_inductor_and_the_roofline():
@@ -109,4 +112,4 @@ def test_bf16_llama_step_is_as_close_to_float64_as_eager_bf16():
     assert abs(losses[2] - losses[0]) <= 3 * abs(losses[1] - losses[0]) + 1e-3 * abs(losses[0])
     for (n, p), e, x in zip(ours.named_parameters(), eager.parameters(), exact.parameters()):
         assert rel_err(p.grad, x.grad) <= 3 * rel_err(e.grad, x.grad) + 1e-3, n
-    assert fc.Report(be.log.decisions).summary()["applied"] == 13  # norms, RoPE, SwiGLU and attention
+    assert fc.Report(be.log.decisions).summary()["applied"] == 14  # norms, RoPE, SwiGLU, attention, loss

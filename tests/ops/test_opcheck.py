@@ -77,3 +77,10 @@ def test_opcheck_backward_ops(dtype, index):
     """The backward ops are ops too (no autograd of their own: double backward is not supported)."""
     op, args = backward_cases(dtype)[index]
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_opcheck_cross_entropy(reduction):
+    t = torch.randint(0, 70, (9,))
+    t[1] = -100
+    torch.library.opcheck(fusion.cross_entropy, (torch.randn(9, 70, requires_grad=True), t, -100, reduction, 0.0))

@@ -1,0 +1,50 @@
+"""Loss family: cross-entropy as one kernel that computes the loss and its gradient in one pass.
+
+Spellings matched (ignore_index -100, PyTorch's and HF's default; mean, sum or none):
+    F.cross_entropy(logits, target) / nn.CrossEntropyLoss / F.nll_loss(F.log_softmax(logits, -1), target)
+    HF causal-LM loss: logits.float(), shifted labels, flattened, then F.cross_entropy
+Logits upcast to fp32 before the loss are read in their own dtype (the cast is not materialized).
+Not yet: other ignore_index values, label smoothing in the graph, class weights, the LM-head linear
+fused in (chunked linear + cross-entropy); a mean over no valid token is 0 where eager gives NaN.
+"""
+import torch
+import torch.nn.functional as F
+
+from fusion_compiler.codegen.launch import can_launch
+from fusion_compiler.pattern import register_pattern
+
+IGNORE = -100
+
+
+def _legal(match) -> str | None:
+    logits, target = match.input_values()
+    # mixed devices: one kernel reads both
+    if logits.device != target.device:
+        return f"logits on {logits.device}, target on {target.device}"
+    why = can_launch(logits.device)
+    # device without a Triton backend
+    if why:
+        return why
+    # float64 logits: the kernel computes in fp32
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {str(logits.dtype).replace('torch.', '')} not supported (float32, float16, bfloat16)"
+    # class-probability targets or a batch layout other than (N, V) / (N,)
+    if logits.dim() != 2 or target.dim() != 1 or target.dtype != torch.int64 or target.shape[0] != logits.shape[0]:
+        return f"logits {list(logits.shape)} / target {target.dtype}{list(target.shape)} are not (N, V) / int64 (N,)"
+    return None
+
+
+def _register(reduction: str) -> None:
+    def cross_entropy(logits, target):
+        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction=reduction)
+
+    cross_entropy.__doc__ = (f"before: F.cross_entropy(logits, target, reduction={reduction!r})    "
+                             f"after: fusion.cross_entropy(logits, target, -100, {reduction!r}, 0.0)[0]")
+    register_pattern(f"cross_entropy_{reduction}", family="loss", kernel="cross_entropy", search=cross_entropy,
+                     replacement=lambda logits, target: torch.ops.fusion.cross_entropy(
+                         logits, target, IGNORE, reduction, 0.0)[0],
+                     example_inputs=[torch.randn(6, 10), torch.randint(0, 10, (6,))], can_apply=_legal, priority=20)
+
+
+for _reduction in ("mean", "sum", "none"):
+    _register(_reduction)
