@@ -17,7 +17,7 @@ from . import cost
 from .canonical import trace_function, val
 from .decisions import Decision, DecisionLog, describe, location
 from .matcher import Matcher, candidates
-from .pattern import registered_patterns
+from .pattern import registered_patterns, scalars
 
 _VERIFIED: dict = {}  # (pattern, signature, training) -> None or the failure
 
@@ -185,8 +185,7 @@ def _row(graph_id, pattern, match, verdict, reason, estimate=None) -> Decision:
 
 def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None]:
     values = match.input_values()
-    exact = Matcher(pattern.graph_at(values), {i: v for i, v in enumerate(values) if isinstance(v, float)},
-                    exact=True).match(pattern, match.anchor)
+    exact = Matcher(pattern.graph_at(values), scalars(values), exact=True).match(pattern, match.anchor)
     if exact is None or set(exact.nodes) != set(match.nodes):
         return _row(gid, pattern, match, "near-miss",
                     "structure matches but sizes or constants differ from the pattern at these shapes"), None

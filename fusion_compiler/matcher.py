@@ -8,7 +8,7 @@ Matching walks back from an anchor (the node that computes the pattern's first o
   every project kernel loads, computes in fp32 and writes the dtype of the region's output (a cast
   the user wrote after the region stays and applies to the op's output);
 - x / d in the user's graph matches x * c in the pattern when c == 1 / d (scales are spelled both ways);
-- literals: floats equal to a scalar argument's example value bind that argument; ints that give
+- literals: floats (ints) equal to a float (int) argument's example value bind that argument; ints that give
   sizes (view/expand/slice bounds/split sizes/normalized_shape) match any int in the loose pass,
   every other literal must be equal. A loose match is then verified exactly against the search
   function re-traced at the bound inputs' real shapes, dtypes and scalars (see Pattern.graph_at).
@@ -94,7 +94,7 @@ class Matcher:
         self.graph = graph
         self.exact = exact
         self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-        self.sentinels = {v: i for i, v in scalars.items()}
+        self.sentinels = {(type(v), v): i for i, v in scalars.items()}
         out = next(n for n in graph.graph.nodes if n.op == "output")
         res = out.args[0]
         self.outputs = [strip_casts(o) for o in (res if isinstance(res, (list, tuple)) else [res])]
@@ -182,10 +182,11 @@ class Matcher:
         if isinstance(pa, (list, tuple)):
             return isinstance(ta, (list, tuple)) and len(pa) == len(ta) and \
                 all(self._arg(a, b, st, shape_like) for a, b in zip(pa, ta))
-        if isinstance(pa, float) and not isinstance(pa, bool) and pa in self.sentinels:
-            if not isinstance(ta, (int, float)) or isinstance(ta, bool):
+        if isinstance(pa, (int, float)) and not isinstance(pa, bool) and (type(pa), pa) in self.sentinels:
+            # an int argument binds ints only; a float one any number
+            if not isinstance(ta, (int, float)) or isinstance(ta, bool) or (isinstance(pa, int) and not isinstance(ta, int)):
                 return False
-            idx = self.sentinels[pa]
+            idx = self.sentinels[(type(pa), pa)]
             return st.scalars.setdefault(idx, ta) == ta
         if shape_like and isinstance(pa, int) and not isinstance(pa, bool):
             return isinstance(ta, int) and not isinstance(ta, bool)

@@ -9,8 +9,8 @@
         return torch.tanh(x) * scale
 
 A search function is plain PyTorch over its example inputs: tensors become wildcards that bind to any
-node of the user's graph; Python floats are scalar wildcards (pick a distinctive example value: every
-literal equal to it in the traced search function binds to that argument). The search function may
+node of the user's graph; Python floats and ints are scalar wildcards (pick a distinctive example
+value: every literal of that type equal to it in the traced search function binds to that argument). The search function may
 return one tensor or a tuple; the replacement takes the same arguments and returns the same structure.
 Outputs after the first must be computed on the way to the first (e.g. (norm(x + r), x + r)).
 
@@ -44,8 +44,8 @@ class Pattern:
 
     @property
     def scalar_names(self) -> dict[int, float]:
-        """Positions and example values of the scalar (Python float) arguments."""
-        return {i: v for i, v in enumerate(self.example_inputs) if isinstance(v, float)}
+        """Positions and example values of the scalar (Python float or int) arguments."""
+        return scalars(self.example_inputs)
 
     def graph(self) -> fx.GraphModule:
         """The search function traced and canonicalized at its example inputs (cached)."""
@@ -60,6 +60,11 @@ class Pattern:
         if key not in self._exact:
             self._exact[key] = trace_function(self.search, inputs)
         return self._exact[key]
+
+
+def scalars(values) -> dict:
+    """{position: value} of the Python float and int (not bool) entries of `values`."""
+    return {i: v for i, v in enumerate(values) if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def register_pattern(name: str, *, replacement: Callable, example_inputs, family: str = "custom",

@@ -1,10 +1,10 @@
 """Loss family: cross-entropy as one kernel that computes the loss and its gradient in one pass.
 
-Spellings matched (ignore_index -100, PyTorch's and HF's default; mean, sum or none):
+Spellings matched (any ignore_index; mean, sum or none):
     F.cross_entropy(logits, target) / nn.CrossEntropyLoss / F.nll_loss(F.log_softmax(logits, -1), target)
     HF causal-LM loss: logits.float(), shifted labels, flattened, then F.cross_entropy
 Logits upcast to fp32 before the loss are read in their own dtype (the cast is not materialized).
-Not yet: other ignore_index values, label smoothing in the graph, class weights, the LM-head linear
+Not yet: label smoothing in the graph, class weights, the LM-head linear
 fused in (chunked linear + cross-entropy); a mean over no valid token is 0 where eager gives NaN.
 """
 import torch
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.pattern import register_pattern
 
-IGNORE = -100
+IGNORE = -7777  # distinctive example value: the int literal equal to it binds `ignore_index`
 
 
 def _legal(match) -> str | None:
-    logits, target = match.input_values()
+    logits, target, _ = match.input_values()
     # mixed devices: one kernel reads both
     if logits.device != target.device:
         return f"logits on {logits.device}, target on {target.device}"
@@ -35,15 +35,16 @@ def _legal(match) -> str | None:
 
 
 def _register(reduction: str) -> None:
-    def cross_entropy(logits, target):
-        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction=reduction)
+    def cross_entropy(logits, target, ignore_index):
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
-    cross_entropy.__doc__ = (f"before: F.cross_entropy(logits, target, reduction={reduction!r})    "
-                             f"after: fusion.cross_entropy(logits, target, -100, {reduction!r}, 0.0)[0]")
+    cross_entropy.__doc__ = (f"before: F.cross_entropy(logits, target, ignore_index=i, reduction={reduction!r})  "
+                             f"after: fusion.cross_entropy(logits, target, i, {reduction!r}, 0.0)[0]")
     register_pattern(f"cross_entropy_{reduction}", family="loss", kernel="cross_entropy", search=cross_entropy,
-                     replacement=lambda logits, target: torch.ops.fusion.cross_entropy(
-                         logits, target, IGNORE, reduction, 0.0)[0],
-                     example_inputs=[torch.randn(6, 10), torch.randint(0, 10, (6,))], can_apply=_legal, priority=20)
+                     replacement=lambda logits, target, ignore_index: torch.ops.fusion.cross_entropy(
+                         logits, target, ignore_index, reduction, 0.0)[0],
+                     example_inputs=[torch.randn(6, 10), torch.randint(0, 10, (6,)), IGNORE], can_apply=_legal,
+                     priority=20)
 
 
 for _reduction in ("mean", "sum", "none"):

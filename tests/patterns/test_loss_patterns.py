@@ -47,11 +47,15 @@ def test_log_softmax_used_elsewhere_is_a_near_miss():
     assert [d.verdict for d in be.log.decisions] == ["near-miss"]
 
 
-def test_other_ignore_index_and_float64_stay_eager():
-    be = fc.backend(handoff="aot_eager", cost_model="always")
+def test_any_ignore_index_binds():
     t = torch.randint(0, 77, (13,))
-    torch.compile(lambda x, t: F.cross_entropy(x, t, ignore_index=3), backend=be)(torch.randn(13, 77), t)
-    assert be.log.decisions == []
+    t[[1, 4]] = 3  # a pad token id as the ignored class
+    be = check_rewrite(lambda x, t: F.cross_entropy(x, t, ignore_index=3), [torch.randn(13, 77), t],
+                       {"cross_entropy_mean": 1})
+    assert be.log.decisions[0].inputs[-1] == "3"
+
+
+def test_float64_stays_eager():
     be = fc.backend(handoff="aot_eager", cost_model="always")
     torch.compile(SPELLINGS["cross_entropy_mean"], backend=be)(torch.randn(13, 77, dtype=torch.float64), _target())
     [d] = be.log.decisions
