@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import launch
-from .launch import interpreting
+from .launch import alloc, interpreting
 
 
 @triton.jit
@@ -90,27 +90,34 @@ def rope_check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def rope(x, cos, sin, interleaved: bool, backward: bool = False):
-    """Rotate x (or, with backward=True, rotate a gradient back); returns a tensor laid out like x."""
+    """Rotate x (or, with backward=True, rotate a gradient back).
+
+    Forward: the output is laid out like x (empty_like), as eager's x * cos + ... is: the traced graph
+    downstream relies on the layout of the region it replaces. Backward: the gradient is contiguous
+    whatever dy's layout (autograd may hand over a layout other than the traced one, and the fake
+    kernel must predict the real one).
+    """
+    y = alloc(x.shape, x.dtype, x.device) if backward else torch.empty_like(x)
+    if launch.POISON:
+        y.fill_(float("nan"))
     if x.stride(-1) != 1:  # e.g. an expanded gradient: the kernel walks the last dim with unit stride
         x = x.contiguous()
+    out = y if y.stride(-1) == 1 else torch.empty(y.shape, dtype=y.dtype, device=y.device)
     lead = x.shape[:-1]
     cos = (cos if cos.stride(-1) == 1 else cos.contiguous()).expand(*lead, cos.shape[-1])
     sin = (sin if sin.stride(-1) == 1 else sin.contiguous()).expand(*lead, sin.shape[-1])
-    # The output follows x's layout, as eager's x * cos + ... does: the traced graph downstream (views
-    # after SDPA, say) relies on the layout of the region it replaces.
-    y = torch.empty_like(x)
-    if launch.POISON:
-        y.fill_(float("nan"))
-    x4, c4, s4, y4 = (_as_4d(t) for t in (x, cos, sin, y))
+    x4, c4, s4, o4 = (_as_4d(t) for t in (x, cos, sin, out))
     rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
     half = x.shape[-1] // 2
     block_p = triton.next_power_of_2(half)
     block_r = max(1, (8192 if interpreting() else 2048) // block_p)
     if rows > 0:
         _rope_kernel[(triton.cdiv(rows, block_r),)](
-            x4, c4, s4, y4,
+            x4, c4, s4, o4,
             rows, x4.shape[1], x4.shape[2], half,
-            *x4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3], *y4.stride()[:3],
+            *x4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3], *o4.stride()[:3],
             INTERLEAVED=interleaved, BACKWARD=backward, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
         )
+    if out is not y:
+        y.copy_(out)
     return y

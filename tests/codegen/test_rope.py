@@ -59,3 +59,16 @@ def test_rope_backward_of_an_expanded_gradient():
     x64 = torch.zeros(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
     (ref,) = torch.autograd.grad(ref_half(x64, theta.cos().double(), theta.sin().double()), x64, dy.double())
     assert_close(dx, ref, torch.float32, "dx")
+
+
+def test_output_layouts_do_not_depend_on_a_gradients_layout():
+    """Forward: laid out like x, even when x's last dim is strided (staged through a buffer).
+    Backward: contiguous whatever dy's layout (the fake kernel promises contiguous)."""
+    theta = torch.randn(1, 1, 5, 8)
+    x = torch.randn(2, 3, 8, 5).transpose(-1, -2)  # dense, last-dim stride 5
+    y = rope(x, theta.cos(), theta.sin(), False)
+    assert y.stride() == torch.empty_like(x).stride()
+    assert_close(y, ref_half(x.double(), theta.cos().double(), theta.sin().double()), torch.float32, "y")
+    dy = torch.randn(2, 5, 3, 8).transpose(1, 2)  # the order Inductor handed over in the bug
+    dx = rope(dy, theta.cos(), theta.sin(), False, backward=True)
+    assert dx.is_contiguous()
