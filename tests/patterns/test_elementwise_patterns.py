@@ -95,3 +95,27 @@ def test_glu_with_broadcast_up_is_rejected():
     torch.compile(lambda g, u: F.silu(g) * u, backend=be)(torch.randn(4, 50), torch.randn(50))
     [d] = be.log.decisions
     assert d.verdict == "rejected" and "differ in shape" in d.reason
+
+
+def test_rope_complex128_freqs_are_rejected():
+    def apply(x, freqs):
+        xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs.view(1, x.shape[1], 1, -1)).flatten(3).type_as(x)
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    x, freqs = torch.randn(2, 9, 3, 16), torch.polar(torch.ones(9, 8, dtype=torch.float64), torch.randn(9, 8, dtype=torch.float64))
+    out = torch.compile(apply, backend=be)(x, freqs)
+    torch.testing.assert_close(out, apply(x, freqs))
+    [d] = be.log.decisions
+    assert d.pattern == "rope_complex" and d.verdict == "rejected" and "complex128" in d.reason
+    assert fusion_ops(be) == []
+
+
+def test_packed_glu_activation_used_elsewhere_is_a_near_miss():
+    def fn(x):
+        a, b = x.chunk(2, dim=-1)
+        act = F.silu(a)
+        return act * b, act.sum()
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    torch.compile(fn, backend=be)(torch.randn(4, 64))
+    assert "applied" not in [d.verdict for d in be.log.decisions]
+    assert "near-miss" in [d.verdict for d in be.log.decisions]

@@ -139,3 +139,26 @@ def test_weight_computed_after_the_residual_sum():
         normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return normed * (1.0 + w), h  # the weight term last, as Gemma2RMSNorm does
     check_rewrite(block, [torch.randn(3, N), torch.randn(3, N), 0.1 * torch.randn(N)], {"add_rms_norm": 1})
+
+
+def test_add_rms_norm_near_misses():
+    def block(x, r, w):
+        h = x + r
+        var = h.pow(2).mean(-1, keepdim=True)
+        return h * torch.rsqrt(var + 1e-6) * w, h, var  # the variance escapes
+    be, _ = _decisions(block, torch.randn(3, N), torch.randn(3, N), _w(torch.float32))
+    assert [d.verdict for d in be.log.decisions if d.pattern == "add_rms_norm"] == ["near-miss"]
+    assert fusion_ops(be) == []
+
+    def mixed(x, r, w):  # bf16 activations plus an fp32 residual: h would be written in which dtype?
+        h = x + r
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w, h
+    be, _ = _decisions(mixed, torch.randn(3, N).bfloat16(), torch.randn(3, N), _w(torch.float32))
+    [d] = [d for d in be.log.decisions if d.pattern == "add_rms_norm"]
+    assert d.verdict == "rejected" and "residual" in d.reason
+
+
+def test_layer_norm_over_two_dims_does_not_match():
+    fn = lambda x, w, b: F.layer_norm(x, (6, N), w, b)  # noqa: E731
+    be, out = _decisions(fn, torch.randn(2, 6, N), torch.randn(6, N), torch.randn(6, N))
+    assert all(d.verdict != "applied" for d in be.log.decisions) and fusion_ops(be) == []
