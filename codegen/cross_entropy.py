@@ -58,9 +58,6 @@ def _cross_entropy_kernel(
         tl.store(dx_row + off + cols, (g * g_scale).to(DX.dtype.element_ty), mask=mask)
 
 
-REDUCTIONS = ("mean", "sum", "none")
-
-
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                   label_smoothing: float = 0.0):
     """Returns (loss, dlogits): loss reduced as asked; dlogits = d(loss)/d(logits) for a unit incoming

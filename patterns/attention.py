@@ -27,7 +27,8 @@ from fusion_compiler import cost
 from fusion_compiler.constants import constant_value, is_causal_mask
 from fusion_compiler.pattern import register_pattern
 
-from fusion_compiler.ops import SUPPORTED_DTYPES
+from .checks import float_dtype, one_device
+
 
 SCALE = 0.123456  # distinctive example value: the traced literal equal to it binds `scale`
 MAX_HEAD_DIM = 256  # the fused SDPA kernels' limit
@@ -131,13 +132,10 @@ def _sdpa(q, k, v, scale, mask=None, causal=False, keep=1.0):
 def _legal(match) -> str | None:
     tensors = match.tensor_inputs()
     q, k, v = tensors[:3]
-    # mixed devices: one kernel reads every input from one device (SDPA runs on CPU and CUDA alike)
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        return f"inputs on several devices: {sorted(str(d) for d in devices)}"
-    # float64 and integer q/k/v: the fused kernels take fp32/fp16/bf16
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {str(q.dtype).replace('torch.', '')} not supported (float32, float16, bfloat16)"
+    # mixed devices (SDPA runs on CPU and CUDA alike), or float64/integer q/k/v
+    why = one_device(tensors) or float_dtype(q)
+    if why:
+        return why
     # SDPA needs one dtype for q, k and v
     if not q.dtype == k.dtype == v.dtype:
         return f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"

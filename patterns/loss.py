@@ -13,21 +13,17 @@ import torch.nn.functional as F
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.pattern import register_pattern
 
+from .checks import float_dtype, one_device
+
 IGNORE = -7777  # distinctive example value: the int literal equal to it binds `ignore_index`
 
 
 def _legal(match) -> str | None:
     logits, target, _ = match.input_values()
-    # mixed devices: one kernel reads both
-    if logits.device != target.device:
-        return f"logits on {logits.device}, target on {target.device}"
-    why = can_launch(logits.device)
-    # device without a Triton backend
+    # mixed devices, a device without a Triton backend, or float64 logits
+    why = one_device((logits, target)) or can_launch(logits.device) or float_dtype(logits)
     if why:
         return why
-    # float64 logits: the kernel computes in fp32
-    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"dtype {str(logits.dtype).replace('torch.', '')} not supported (float32, float16, bfloat16)"
     # class-probability targets or a batch layout other than (N, V) / (N,)
     if logits.dim() != 2 or target.dim() != 1 or target.dtype != torch.int64 or target.shape[0] != logits.shape[0]:
         return f"logits {list(logits.shape)} / target {target.dtype}{list(target.shape)} are not (N, V) / int64 (N,)"
