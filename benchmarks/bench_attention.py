@@ -1,27 +1,41 @@
-"""Hand-written attention, fwd+bwd: eager vs Inductor vs fusion, with SDPA as the reference.
+"""Hand-written attention, fwd+bwd: eager vs Inductor vs fusion, against the fused call a user would
+write by hand (SDPA, or FlexAttention for what SDPA cannot express).
 
-    python benchmarks/bench_attention.py [--seq 512 2048 8192] [--spellings ...]
-B4 H16 D128 bf16 (the anchors' shape at S=2048). GPU time (profiler kernel sum) and peak memory of
-one fwd+bwd; each implementation is checked against SDPA first.
+    python benchmarks/bench_attention.py [--seq 512 2048 8192] [--spellings ...] [--device cpu]
+B4 H16 D128 bf16 at S <= 2048 (the anchors' shape at 2048), 8192 // S sequences beyond. GPU time
+(profiler kernel sum) and the peak memory of one fwd+bwd above the inputs; every implementation's
+output is checked against the reference first (rel_err), and its q/k/v gradients too (grad_err).
 """
 import argparse
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusion_compiler as fc
 from common import bench_gpu_ms, env, save, table
 
+WINDOW = 256  # sliding-window span (keys i - WINDOW < j <= i)
+CAP = 30.0  # logit soft-cap (Gemma 2 uses 50 for attention; the anchors measured 30)
+
+
+def _causal_masked(n, device):
+    return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)
+
 
 def causal_triu(q, k, v):
-    n = q.size(-2)
-    masked = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), diagonal=1)
-    return torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(masked, float("-inf")), -1) @ v
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    return torch.softmax(s.masked_fill(_causal_masked(q.size(-2), q.device), float("-inf")), -1) @ v
 
 
-def hf_eager_mask(q, k, v, mask):
-    w = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5 + mask
+def hf_eager(q, k, v):
+    """HF eager attention: fp32 softmax; the additive causal mask built in the graph from arange."""
+    i = torch.arange(q.size(-2), device=q.device)
+    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(i[None, :] > i[:, None],
+                                                                       torch.finfo(q.dtype).min)
+    w = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5 + mask[None, None]
     return torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
@@ -29,50 +43,135 @@ def no_mask(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, -1) @ v
 
 
+_BUFFERS = {}
+
+
+def nanogpt_buffer(q, k, v):
+    """nanoGPT: a registered tril buffer sliced to the length (a graph input, not a constant)."""
+    t = q.size(-2)
+    bias = _BUFFERS[q.device]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    return torch.softmax(att.masked_fill(bias[:, :, :t, :t] == 0, float("-inf")), -1) @ v
+
+
+def softcap_causal(q, k, v):
+    s = torch.tanh(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) / CAP) * CAP
+    return torch.softmax(s.masked_fill(_causal_masked(q.size(-2), q.device), float("-inf")), -1) @ v
+
+
+def sliding_window(q, k, v):
+    i = torch.arange(q.size(-2), device=q.device)
+    far = (i[None, :] > i[:, None]) | (i[:, None] - i[None, :] >= WINDOW)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    return torch.softmax(s.masked_fill(far, float("-inf")), -1) @ v
+
+
+# --- hand-written references ---------------------------------------------------------------------------
+def _sdpa(causal):
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_ref(mask_mod, score_mod=None):
+    def ref(q, k, v):
+        n = q.size(-2)
+        block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block)
+    return ref
+
+
+def _flex_from_buffer(q, k, v):
+    """What FlexAttention would give nanoGPT's buffer: a block mask reduced from it at every call."""
+    from fusion_compiler.patterns.block_masks import dense_block_mask
+    t = q.size(-2)
+    block = dense_block_mask(_BUFFERS[q.device][:, :, :t, :t] != 0, q.size(0), q.size(1))
+    return flex_attention(q, k, v, block_mask=block)
+
+
+def _softcap(s, b, h, qi, ki):
+    return torch.tanh(s / CAP) * CAP
+
+
+def _causal(b, h, qi, ki):
+    return qi >= ki
+
+
+def _window(b, h, qi, ki):
+    return (qi >= ki) & (qi - ki < WINDOW)
+
+
+# name: (spelling, reference name, reference, fraction of the score tiles the reference computes)
+SPELLINGS = {
+    "causal_triu": (causal_triu, "sdpa", _sdpa(True), 0.5),
+    "hf_eager_causal": (hf_eager, "sdpa", _sdpa(True), 0.5),
+    "no_mask": (no_mask, "sdpa", _sdpa(False), 1.0),
+    "nanogpt_buffer": (nanogpt_buffer, "sdpa", _sdpa(True), 0.5),
+    "softcap_causal": (softcap_causal, "flex", _flex_ref(_causal, _softcap), 0.5),
+    "sliding_window": (sliding_window, "flex", _flex_ref(_window), None),
+}
+
 DEV = "cuda"
 
-SPELLINGS = {"causal_triu": (causal_triu, True, False), "hf_additive_mask": (hf_eager_mask, True, True),
-             "no_mask": (no_mask, False, False)}
+
+def _err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run(seqs, names):
+def _measure(name, impl, f, q, k, v, g, ref_out, ref_grads, flops):
+    out = f(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    row = dict(spelling=name, seq=q.size(-2), batch=q.size(0), impl=impl, rel_err=f"{_err(out, ref_out):.1e}",
+               grad_err=f"{max(_err(a, b) for a, b in zip(grads, ref_grads)):.1e}")
+    del out, grads
+    if DEV == "cpu":
+        return row
+
+    def step():
+        torch.autograd.grad(f(q, k, v), (q, k, v), g)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = bench_gpu_ms(step, iters=10)
+    row.update(fwdbwd_ms=round(ms, 3), TFLOPs=round(flops / ms / 1e9), extra_peak_GiB=round(peak, 3))
+    return row
+
+
+def run(seqs, names, heads=16, dim=128):
     rows = []
     for s in seqs:
         b = max(1, 8192 // s) if s > 2048 else 4
-        q, k, v = (torch.randn(b, 16, s, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, heads, s, dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         g = torch.randn_like(q)
+        _BUFFERS[q.device] = torch.tril(torch.ones(s, s, device=DEV)).view(1, 1, s, s)
         for name in names:
-            fn, causal, masked = SPELLINGS[name]
-            args = [q, k, v]
-            if masked:
-                args.append(torch.zeros(s, s, device=DEV, dtype=torch.bfloat16).masked_fill(
-                    torch.ones(s, s, device=DEV, dtype=torch.bool).triu(1), float("-inf"))[None, None])
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            impls = {"sdpa": lambda *a: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                     "eager": fn, "inductor": torch.compile(fn, dynamic=False),
-                     "fusion": torch.compile(fn, backend=fc.backend(), dynamic=False)}
+            fn, ref_name, ref, density = SPELLINGS[name]
+            if density is None:  # the window's share of the tiles, as FlexAttention computes them
+                density = min(1.0, (WINDOW + 128) / s)
+            flops = 4 * b * heads * s * s * dim * 3.5 * density
+            ref_out = ref(q, k, v)
+            ref_grads = torch.autograd.grad(ref_out, (q, k, v), g)
+            be = fc.backend()
+            impls = {ref_name: ref, "eager": fn, "inductor": torch.compile(fn, dynamic=False),
+                     "fusion": torch.compile(fn, backend=be, dynamic=False)}
+            if name == "nanogpt_buffer" and DEV != "cpu":
+                impls["flex_from_buffer"] = torch.compile(_flex_from_buffer, dynamic=False)
             for impl, f in impls.items():
                 if impl == "eager" and s > 4096:
-                    continue  # the S x S scores of eager at 8192 take minutes to time
-                out = f(*args)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-                def step():
-                    torch.autograd.grad(f(*args), (q, k, v), g)
-                step()
-                if DEV == "cpu":
-                    rows.append(dict(spelling=name, seq=s, impl=impl, rel_err=f"{err:.1e}"))
-                    continue
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-                ms = bench_gpu_ms(step, iters=10)
-                flops = 4 * b * 16 * s * s * 128 * 3.5 * (0.5 if causal else 1)
-                rows.append(dict(spelling=name, seq=s, batch=b, impl=impl, fwdbwd_ms=round(ms, 3),
-                                 TFLOPs=round(flops / ms / 1e9), extra_peak_GiB=round(peak, 2), rel_err=f"{err:.1e}"))
+                    continue  # eager's S x S scores at 8192 take minutes to time
+                rows.append(_measure(name, impl, f, q, k, v, g, ref_out, ref_grads, flops))
+                if impl == "fusion":
+                    applied = [d for d in be.log.decisions if d.verdict == "applied"]
+                    rows[-1]["fused_as"] = ",".join(sorted({d.pattern for d in applied})) or "-"
                 print(rows[-1], flush=True)
             torch.compiler.reset()
     return rows
@@ -89,7 +188,8 @@ def main():
     rows = run(a.seq, a.spellings)
     save("attention.json", {"env": env(), "rows": rows})
     print(env())
-    print(table(rows, ["spelling", "seq", "batch", "impl", "fwdbwd_ms", "TFLOPs", "extra_peak_GiB", "rel_err"]))
+    print(table(rows, ["spelling", "seq", "batch", "impl", "fwdbwd_ms", "TFLOPs", "extra_peak_GiB", "rel_err",
+                       "grad_err", "fused_as"]))
 
 
 if __name__ == "__main__":

@@ -154,11 +154,12 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
     return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")
 
 
-def estimate_attention(match, ctx: CostContext, causal: bool, flex: bool = False) -> Estimate:
-    """Flash attention (SDPA) against the unfused spelling, which materializes the B*H*Lq*Lk scores:
-    written by the first matmul, read and written by softmax (and the mask), read by the second
-    matmul; about twice as many passes again in the backward. Both do the matmul FLOPs (the
-    unfused one at cuBLAS efficiency, ~0.7; flash skips the masked half when causal)."""
+def estimate_attention(match, ctx: CostContext, density: float = 1.0, flex: bool = False) -> Estimate:
+    """Fused attention (SDPA, or FlexAttention when flex) against the unfused spelling, which
+    materializes the B*H*Lq*Lk scores: written by the first matmul, read and written by softmax (and
+    the mask), read by the second matmul; about twice as many passes again in the backward. Both do
+    the matmul FLOPs (the unfused one at cuBLAS efficiency, ~0.7); the fused kernel only on the
+    `density` fraction of score tiles its mask keeps (0.5 for causal)."""
     q, k, v = match.tensor_inputs()[:3]
     b_h = q.numel() // (q.shape[-2] * q.shape[-1])
     lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -166,11 +167,13 @@ def estimate_attention(match, ctx: CostContext, causal: bool, flex: bool = False
     p = ctx.profile
     io = sum(map(nbytes, (q, k, v))) + nbytes(q) * (4 if ctx.training else 1)
     eff = p.flex_efficiency if flex else p.flash_efficiency
-    ours_s = 2 * p.launch_s + max(flops * (0.5 if causal else 1.0) / (p.matmul_flops * eff), io / p.bandwidth)
+    ours_s = 2 * p.launch_s + max(flops * density / (p.matmul_flops * eff), io / p.bandwidth)
     scores = b_h * lq * lk * q.element_size() * (12 if ctx.training else 4)
     base_l = 5 * (3 if ctx.training else 1)
     base_s = base_l * p.launch_s + flops / (p.matmul_flops * 0.7) + scores / p.bandwidth
     if ctx.baseline == "eager":
         base_s += scores / p.bandwidth  # eager does not fuse the mask and scale into the softmax
+    kernel = "FlexAttention" if flex else "SDPA"
     return Estimate(ours_s, base_s, io, io + scores, ctx.baseline,
-                    f"{lq}x{lk} scores per head not materialized; {flops / 1e9:.1f} GFLOP")
+                    f"{kernel}; {lq}x{lk} scores per head not materialized; {density:.0%} of score tiles "
+                    f"computed; {flops / 1e9:.1f} GFLOP")

@@ -12,12 +12,18 @@ constants (HF's eager mask: evaluated at compile time and checked to be causal).
     dropout on the probabilities (training): SDPA's dropout_p; its random mask is not eager's (same
     distribution, other draws);
     einsum("bhqd,bhkd->bhqk") scores (canonicalized to matmul).
-    logit soft-capping tanh(scores / cap) * cap (Gemma 2), with or without an additive mask: SDPA
-    cannot express it, so it becomes FlexAttention with the score_mod derived from the match (Inductor
-    compiles it into one fused kernel, forward and backward).
+    logit soft-capping tanh(scores / cap) * cap (Gemma 2), then a mask (bool masked_fill, causal triu
+    built in the graph, or additive): SDPA cannot express it, so it becomes FlexAttention with the
+    score_mod derived from the match (Inductor compiles it into one fused kernel, forward and
+    backward) and a block mask: causal masks known at compile time become the causal block mask (no
+    mask read), other bool or pure (0 / -inf) constant masks a block mask reduced from the mask in
+    the graph, so the tiles it masks entirely are skipped.
+    constant masks that are not causal (sliding windows, prefix-LM): FlexAttention with that block
+    mask when the tiles it skips make it cheaper than SDPA reading the mask (cost model, density
+    measured from the constant at compile time); else SDPA with the mask.
 ALiBi and relative position biases added as tensors are additive masks (SDPA's attn_mask, gradient
-included); sliding windows built as bool masks are bool masks. Not yet matched: a causal mask derived
-from the data (so that flash's is_causal or a FlexAttention block mask could apply).
+included). A bool mask from a graph input (nanoGPT's registered causal buffer, padding) stays SDPA's
+attn_mask: its tiles are not known at compile time.
 """
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ from fusion_compiler import cost
 from fusion_compiler.constants import constant_value, is_causal_mask
 from fusion_compiler.pattern import register_pattern
 
+from .block_masks import block_density, causal_block_mask, dense_block_mask
 from .checks import float_dtype, one_device
 
 
@@ -99,28 +106,52 @@ def attention_causal_dropout(q, k, v, scale, keep):
     return _dropped(torch.softmax(_causal_scores(q, k, scale), dim=-1), keep) @ v
 
 
+def _softcapped(q, k, scale, cap):
+    return torch.tanh(_scores(q, k, scale) / cap) * cap
+
+
 def attention_softcap(q, k, v, scale, cap):
     """before: softmax(tanh(q @ k^T * scale / cap) * cap) @ v   after: flex_attention(score_mod=softcap)"""
-    return torch.softmax(torch.tanh(_scores(q, k, scale) / cap) * cap, dim=-1) @ v
+    return torch.softmax(_softcapped(q, k, scale, cap), dim=-1) @ v
 
 
 def attention_softcap_mask(q, k, v, mask, scale, cap):
     """before: softmax(tanh(q @ k^T * scale / cap) * cap + mask) @ v (HF Gemma 2 eager)
     after:  flex_attention(score_mod=softcap then + mask[b, h, q, k])"""
-    return torch.softmax(torch.tanh(_scores(q, k, scale) / cap) * cap + mask, dim=-1) @ v
+    return torch.softmax(_softcapped(q, k, scale, cap) + mask, dim=-1) @ v
+
+
+def attention_softcap_bool_mask(q, k, v, masked, scale, cap):
+    """before: softmax((tanh(q @ k^T * scale / cap) * cap).masked_fill(masked, -inf)) @ v
+    after:  flex_attention(score_mod=softcap, block_mask from ~masked)"""
+    return torch.softmax(_softcapped(q, k, scale, cap).masked_fill(masked, float("-inf")), dim=-1) @ v
+
+
+def attention_softcap_causal(q, k, v, scale, cap):
+    """before: the same with masked = triu(ones(L, S, bool), 1) built in the graph
+    after:  flex_attention(score_mod=softcap, causal block mask)"""
+    lq, lk = q.shape[-2], k.shape[-2]
+    masked = torch.triu(torch.ones(lq, lk, dtype=torch.bool, device=q.device), diagonal=1)
+    return torch.softmax(_softcapped(q, k, scale, cap).masked_fill(masked, float("-inf")), dim=-1) @ v
 
 
 # --- replacements ------------------------------------------------------------------------------------
-def _flex(q, k, v, scale, cap, mask=None):
+def _flex(q, k, v, scale, cap=None, mask=None, keep=None, causal=False):
+    """FlexAttention: score_mod = soft-cap (cap) then + mask (additive, read per score); block mask =
+    causal, or reduced from the bool `keep`."""
+    batch, heads, lq, lk = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
     if mask is not None:
-        mask = mask.to(q.dtype).expand(*q.shape[:-1], k.shape[-2])
+        mask = mask.to(q.dtype).expand(batch, heads, lq, lk)
 
     def score_mod(s, b, h, qi, ki):
-        s = torch.tanh(s / cap) * cap
+        if cap is not None:
+            s = torch.tanh(s / cap) * cap
         return s + mask[b, h, qi, ki] if mask is not None else s
 
-    return flex_attention(q, k, v, score_mod=score_mod, scale=scale).contiguous()
-
+    blocks = causal_block_mask(lq, lk, q.device) if causal else \
+        dense_block_mask(keep, batch, heads) if keep is not None else None
+    mod = score_mod if cap is not None or mask is not None else None
+    return flex_attention(q, k, v, score_mod=mod, block_mask=blocks, scale=scale).contiguous()
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False, keep=1.0):
@@ -148,6 +179,14 @@ def _legal(match) -> str | None:
     return None
 
 
+def _flex_legal(legal):
+    def check(match) -> str | None:
+        q = match.tensor_inputs()[0]
+        # FlexAttention takes (B, H, L, D)
+        return legal(match) or (None if q.dim() == 4 else f"q {list(q.shape)} is not (B, H, L, D) for FlexAttention")
+    return check
+
+
 def _mask_legal(match) -> str | None:
     why = _legal(match)
     if why:
@@ -166,9 +205,22 @@ def _mask_legal(match) -> str | None:
     return None
 
 
-def _constant_causal_legal(additive: bool):
+def _pure_keep(value: torch.Tensor, additive: bool):
+    """The kept positions of a constant mask that only keeps or drops (bool; additive 0 or <= half the
+    dtype's lowest value), else None (a bias that also reweights scores)."""
+    if not additive:
+        return ~value if value.dtype == torch.bool else None
+    if not value.is_floating_point():
+        return None
+    keep = value == 0
+    return keep if bool((keep | (value <= torch.finfo(value.dtype).min / 2)).all()) else None
+
+
+def _constant_mask_legal(additive: bool, causal: bool, flex: bool = False):
+    """A mask computed from constants only: causal (flash's is_causal, or FlexAttention's causal block
+    mask), or for causal=False a pure keep/drop mask that is not causal (FlexAttention's block mask)."""
     def legal(match) -> str | None:
-        why = _mask_legal(match)
+        why = (_flex_legal(_mask_legal) if flex else _mask_legal)(match)
         if why:
             return why
         mask_node = match.inputs[3]
@@ -176,15 +228,30 @@ def _constant_causal_legal(additive: bool):
         # a mask computed from graph inputs (padding, a buffer) may change from call to call
         if value is None:
             return "mask is computed from graph inputs: not known at compile time"
-        # a constant mask that is not causal (sliding window, prefix-LM) keeps its own pattern
-        if not is_causal_mask(value, additive):
-            return "constant mask is not causal"
+        if is_causal_mask(value, additive) != causal:
+            return "constant mask is not causal" if causal else "constant mask is causal"
+        if not causal and _pure_keep(value, additive) is None:
+            return "constant additive mask also reweights scores (not only 0 / -inf)"
         return None
     return legal
 
 
 def _should(causal: bool, flex: bool = False):
-    return lambda match, ctx: cost.estimate_attention(match, ctx, causal, flex)
+    return lambda match, ctx: cost.estimate_attention(match, ctx, 0.5 if causal else 1.0, flex)
+
+
+def _should_block(additive: bool):
+    """FlexAttention over the tiles a constant mask keeps, against the unfused graph; kept off when
+    SDPA reading the whole mask (every tile) is estimated cheaper."""
+    def should(match, ctx):
+        keep = _pure_keep(constant_value(match.inputs[3]), additive)
+        flex = cost.estimate_attention(match, ctx, block_density(keep), flex=True)
+        sdpa = cost.estimate_attention(match, ctx, 1.0)
+        if sdpa.ours_s < flex.ours_s:
+            return cost.Estimate(flex.ours_s, sdpa.ours_s, flex.ours_bytes, sdpa.ours_bytes, "SDPA with the mask",
+                                 flex.note)
+        return flex
+    return should
 
 
 _QKV = [torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)]
@@ -194,10 +261,10 @@ _MASKED = torch.rand(1, 1, 5, 7) > 0.5
 KEEP = 0.876543  # distinctive example value of the dropout keep probability
 
 
-def _register(name, search, replacement, examples, legal, causal=False, priority=30, kernel="sdpa"):
+def _register(name, search, replacement, examples, legal, causal=False, priority=30, kernel="sdpa", should=None):
     register_pattern(name, family="attention", kernel=kernel, search=search, replacement=replacement,
-                     example_inputs=examples, can_apply=legal, should_apply=_should(causal, kernel == "flex"),
-                     priority=priority)
+                     example_inputs=examples, can_apply=legal,
+                     should_apply=should or _should(causal, kernel == "flex"), priority=priority)
 
 
 _register("attention", attention, lambda q, k, v, scale: _sdpa(q, k, v, scale), [*_QKV, SCALE], _legal)
@@ -214,10 +281,19 @@ _register("attention_causal", attention_causal, lambda q, k, v, scale: _sdpa(q, 
 # a mask the graph builds from constants and that is causal: flash's is_causal instead of a mask read
 _register("attention_causal_mask", attention_additive_mask,
           lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, causal=True),
-          [*_QKV, _MASK, SCALE], _constant_causal_legal(additive=True), causal=True, priority=45)
+          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=True), causal=True, priority=45)
 _register("attention_causal_bool_mask", attention_bool_mask,
           lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, causal=True),
-          [*_QKV, _MASKED, SCALE], _constant_causal_legal(additive=False), causal=True, priority=45)
+          [*_QKV, _MASKED, SCALE], _constant_mask_legal(additive=False, causal=True), causal=True, priority=45)
+# constant masks that are not causal (sliding windows): FlexAttention skips the tiles they mask
+_register("attention_block_mask", attention_additive_mask,
+          lambda q, k, v, mask, scale: _flex(q, k, v, scale, keep=mask == 0),
+          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=False, flex=True), priority=44,
+          kernel="flex", should=_should_block(additive=True))
+_register("attention_block_bool_mask", attention_bool_mask,
+          lambda q, k, v, masked, scale: _flex(q, k, v, scale, keep=~masked),
+          [*_QKV, _MASKED, SCALE], _constant_mask_legal(additive=False, causal=False, flex=True), priority=44,
+          kernel="flex", should=_should_block(additive=False))
 # with dropout on the probabilities (training): larger regions, so they run first
 _register("attention_dropout", attention_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, keep=keep), [*_QKV, SCALE, KEEP], _legal, priority=60)
@@ -229,13 +305,32 @@ _register("attention_bool_mask_dropout", attention_bool_mask_dropout,
           [*_QKV, _MASKED, SCALE, KEEP], _mask_legal, priority=70)
 _register("attention_causal_mask_dropout", attention_additive_mask_dropout,
           lambda q, k, v, mask, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
-          [*_QKV, _MASK, SCALE, KEEP], _constant_causal_legal(additive=True), causal=True, priority=75)
+          [*_QKV, _MASK, SCALE, KEEP], _constant_mask_legal(additive=True, causal=True), causal=True, priority=75)
 _register("attention_causal_dropout", attention_causal_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
           [*_CAUSAL_QKV, SCALE, KEEP], _legal, causal=True, priority=80)
+# logit soft-capping (Gemma 2): FlexAttention, with the tightest block mask the mask allows
 CAP = 29.87654  # distinctive example value of the soft-cap
 _register("attention_softcap", attention_softcap, lambda q, k, v, scale, cap: _flex(q, k, v, scale, cap),
-          [*_QKV, SCALE, CAP], _legal, priority=60, kernel="flex")
+          [*_QKV, SCALE, CAP], _flex_legal(_legal), priority=60, kernel="flex")
+_register("attention_softcap_causal", attention_softcap_causal,
+          lambda q, k, v, scale, cap: _flex(q, k, v, scale, cap, causal=True),
+          [*_CAUSAL_QKV, SCALE, CAP], _flex_legal(_legal), causal=True, priority=80, kernel="flex")
+_register("attention_softcap_causal_mask", attention_softcap_mask,
+          lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, causal=True),
+          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=True, flex=True), causal=True,
+          priority=75, kernel="flex")
+_register("attention_softcap_causal_bool_mask", attention_softcap_bool_mask,
+          lambda q, k, v, masked, scale, cap: _flex(q, k, v, scale, cap, causal=True),
+          [*_QKV, _MASKED, SCALE, CAP], _constant_mask_legal(additive=False, causal=True, flex=True), causal=True,
+          priority=75, kernel="flex")
+_register("attention_softcap_block_mask", attention_softcap_mask,
+          lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, keep=mask == 0),
+          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=False, flex=True), priority=72,
+          kernel="flex")
+_register("attention_softcap_bool_mask", attention_softcap_bool_mask,
+          lambda q, k, v, masked, scale, cap: _flex(q, k, v, scale, cap, keep=~masked),
+          [*_QKV, _MASKED, SCALE, CAP], _flex_legal(_mask_legal), priority=70, kernel="flex")
 _register("attention_softcap_mask", attention_softcap_mask,
           lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, mask=mask),
-          [*_QKV, _MASK, SCALE, CAP], _mask_legal, priority=70, kernel="flex")
+          [*_QKV, _MASK, SCALE, CAP], _flex_legal(_mask_legal), priority=68, kernel="flex")

@@ -1,7 +1,7 @@
 """HF Gemma 2 (small config, eager attention): logit soft-capping, (1 + w) RMSNorms, tanh-GeGLU.
 
-Inference: every region is rewritten (soft-capped attention as FlexAttention) and the logits match
-eager. Training on the CPU: FlexAttention has no CPU backward, so the one-time kernel check keeps the
+Inference: every region is rewritten (soft-capped attention as FlexAttention with the causal or the
+sliding-window block mask) and the logits match eager. Training on the CPU: FlexAttention has no CPU backward, so the one-time kernel check keeps the
 attention on eager with that reason, the rest is rewritten, and 3 steps match eager.
 """
 import torch
@@ -32,9 +32,12 @@ def test_gemma2_inference_rewrites_every_region():
     assert rel_err(out, ref) < 1e-5
     applied = {}
     for d in be.log.decisions:
-        assert d.verdict == "applied", d
-        applied[d.pattern] = applied.get(d.pattern, 0) + 1
-    assert applied == {"attention_softcap_mask": LAYERS, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
+        if d.verdict == "applied":
+            applied[d.pattern] = applied.get(d.pattern, 0) + 1
+        else:  # the sliding-window layer's mask, built from constants, is not causal
+            assert d.pattern == "attention_softcap_causal_mask" and d.reason == "constant mask is not causal", d
+    # full layers: the causal block mask; sliding-window layers: the block mask reduced from the window
+    assert applied == {"attention_softcap_causal_mask": LAYERS // 2, "attention_softcap_block_mask": LAYERS // 2, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
                        "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS}
 
 
@@ -42,6 +45,7 @@ def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
     be = fc.backend(handoff="aot_eager", cost_model="always")
     train_both_and_compare(_model, be)
     attention = [d for d in be.log.decisions if d.family == "attention"]
-    assert len(attention) == LAYERS and all(d.verdict == "rejected" and "backward on CPU" in d.reason
-                                            for d in attention)
+    assert all(d.verdict == "rejected" for d in attention)
+    assert {d.location for d in attention if "backward on CPU" in d.reason} == {d.location for d in attention}
+    assert len([d for d in attention if "backward on CPU" in d.reason]) >= LAYERS
     assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 1  # + loss

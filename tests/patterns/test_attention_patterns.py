@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from tests.helpers import check_rewrite, placeholder_with
+from tests.helpers import check_rewrite, placeholder_with, rel_err
 
 
 def _qkv(lq=13, lk=13, d=16, dtype=torch.float32, bh=(2, 3)):
@@ -124,7 +124,7 @@ def test_attention_roofline_at_the_anchor_shape():
         q = torch.empty(4, 16, 2048, 128, dtype=torch.bfloat16)
     pat = {p.name: p for p in registered_patterns()}["attention_causal"]
     m = Match(pat, None, [node(q), node(q), node(q), 0.088], [node(q)], [])
-    est = cost.estimate_attention(m, cost.CostContext(cost.PROFILES["h100"], "inductor", True), causal=True)
+    est = cost.estimate_attention(m, cost.CostContext(cost.PROFILES["h100"], "inductor", True), density=0.5)
     assert est.profitable and 0.5e-3 < est.ours_s < 1.0e-3 and 2.5e-3 < est.baseline_s < 4e-3, est
 
 
@@ -170,33 +170,85 @@ def _causal_additive(n):
     return torch.zeros(1, 1, n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
 
 
-def test_softcap_becomes_flex_attention_with_the_derived_score_mod():
-    q, k, v = _qkv(16, 16)
-    be = fc.backend(handoff="aot_eager")
-    out = torch.compile(_gemma2, backend=be)(q, k, v, _causal_additive(16))
-    ref = _gemma2(q.double(), k.double(), v.double(), _causal_additive(16).double())
-    assert (out.double() - ref).norm() / ref.norm() < 1e-5
-    [d] = be.log.decisions
-    assert d.pattern == "attention_softcap_mask" and d.verdict == "applied" and d.inputs[-2:] == ("0.3", "50.0")
+def _window_additive(n, window):
+    i = torch.arange(n)
+    keep = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
+    return torch.zeros(1, 1, n, n).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+def _flex_applied(be, pattern):
+    applied = [d for d in be.log.decisions if d.verdict == "applied"]
+    assert [d.pattern for d in applied] == [pattern], be.log.decisions
     names = [str(n.target) for gm in be.rewritten for n in gm.graph.nodes]
     assert any("flex_attention" in n for n in names) and "aten._softmax.default" not in names
+    return applied[0]
 
 
-def test_softcap_in_training_on_cpu_is_rejected_with_the_kernels_reason():
-    """FlexAttention has no CPU backward: the one-time kernel check refuses the region, eager stays."""
-    q, k, v = (t.requires_grad_() for t in _qkv(16, 16))
+def _gemma2_constant_mask(build):
+    def fn(q, k, v):
+        return _gemma2(q, k, v, build(q.size(-2)))
+    return fn
+
+
+def _softcap_bool(q, k, v, masked):
+    s = torch.tanh(q @ k.transpose(-2, -1) * 0.3 / 30.0) * 30.0
+    return torch.softmax(s.masked_fill(masked, float("-inf")), -1) @ v
+
+
+def _softcap_triu(q, k, v):
+    n = q.size(-2)
+    masked = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), diagonal=1)
+    return _softcap_bool(q, k, v, masked)
+
+
+SOFTCAP_CASES = {  # name: (fn, extra inputs, the pattern that must apply)
+    "gemma2_causal_constant": (_gemma2_constant_mask(_causal_additive), [], "attention_softcap_causal_mask"),
+    "gemma2_sliding_constant": (_gemma2_constant_mask(lambda n: _window_additive(n, 5)), [],
+                                "attention_softcap_block_mask"),
+    "gemma2_mask_input": (_gemma2, [_causal_additive(16)], "attention_softcap_mask"),
+    "bool_mask_input": (_softcap_bool, [torch.rand(2, 1, 16, 16) > 0.6], "attention_softcap_bool_mask"),
+    "triu_in_graph": (_softcap_triu, [], "attention_softcap_causal"),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTCAP_CASES))
+def test_softcap_becomes_flex_attention_with_the_derived_mods(case):
+    fn, extra, pattern = SOFTCAP_CASES[case]
+    q, k, v = _qkv(16, 16)
+    if case == "bool_mask_input":
+        extra[0][..., 0] = False  # no fully masked row
     be = fc.backend(handoff="aot_eager")
-    out = torch.compile(_gemma2, backend=be)(q, k, v, _causal_additive(16))
-    [d] = be.log.decisions
-    assert d.verdict == "rejected" and "does not support backward on CPU" in d.reason
-    torch.testing.assert_close(out, _gemma2(q, k, v, _causal_additive(16)))
+    out = torch.compile(fn, backend=be)(q, k, v, *extra)
+    ref = fn(q.double(), k.double(), v.double(), *[e.double() if e.is_floating_point() else e for e in extra])
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+    d = _flex_applied(be, pattern)
+    assert d.inputs[-2:] in (("0.3", "50.0"), ("0.3", "30.0"))
 
 
-def test_learned_relative_position_bias_gets_its_gradient():
-    """A bias added to the scores (ALiBi, T5-style relative position bias) is an additive mask; when
-    it is learned, its gradient through SDPA matches eager's."""
-    def fn(q, k, v, bias):
-        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
-    q, k, v = _qkv(9, 9)
-    bias = torch.randn(1, 3, 9, 9)
-    check_rewrite(fn, [q, k, v, bias], {"attention_additive_mask": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+def test_sliding_window_block_mask_inside_inductor():
+    """The block mask reduced in the graph drives Inductor's compiled FlexAttention (which skips the
+    tiles): a window of 40 over 300 positions keeps 5 of 9 tile pairs per row at most."""
+    def fn(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + _window_additive(q.size(-2), 40), -1) @ v
+    q, k, v = _qkv(300, 300)
+    be = fc.backend(cost_model="always")
+    out = torch.compile(fn, backend=be)(q, k, v)
+    assert rel_err(out, fn(q.double(), k.double(), v.double())) < 1e-5
+    _flex_applied(be, "attention_block_mask")
+
+
+def test_sliding_window_cost_follows_the_tile_density():
+    """Roofline: a window of 128 over 2048 positions leaves 12% of the tiles (FlexAttention); one of
+    1900 leaves 53% (SDPA reading the mask is estimated cheaper, the reason says so)."""
+    def fn(q, k, v, window):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + _window_additive(q.size(-2), window), -1) @ v
+    q, k, v = _qkv(2048, 2048, d=64, bh=(1, 1))
+    decided = {}
+    for window in (128, 1900):
+        torch.compiler.reset()  # else the second window compiles with a dynamic int
+        rep = fc.explain(lambda q, k, v: fn(q, k, v, window), q, k, v)
+        [d] = rep.where(pattern="attention_block_mask")
+        decided[window] = d
+    assert decided[128].verdict == "applied" and "12% of score tiles" in decided[128].reason
+    assert decided[1900].verdict == "rejected" and "keep SDPA with the mask" in decided[1900].reason
+    assert rep.where(pattern="attention_additive_mask")[0].verdict == "applied"
