@@ -172,6 +172,7 @@ def run(seqs, names, heads=16, dim=128):
                 if impl == "fusion":
                     applied = [d for d in be.log.decisions if d.verdict == "applied"]
                     rows[-1]["fused_as"] = ",".join(sorted({d.pattern for d in applied})) or "-"
+                    rows[-1]["decisions"] = [f"{d.pattern}: {d.verdict}: {d.reason[:160]}" for d in be.log.decisions]
                 print(rows[-1], flush=True)
             torch.compiler.reset()
     return rows

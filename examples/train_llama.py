@@ -4,7 +4,8 @@
 
 1. A 2-layer Llama (random weights, no download) trains a few steps compiled with the fusion backend
    (every legal region rewritten, hand-off aot_eager so it runs on the CPU through Triton's
-   interpreter) next to eager: the losses agree.
+   interpreter; drop_logits=True so the LM head and the loss become one chunked op) next to eager:
+   the losses agree.
 2. The decision table for one decoder layer of the reference Llama (hidden 2048, 2 x 2048 tokens,
    bf16) under the default config: what the roofline cost model, calibrated on the H200, decides
    against Inductor's own fusion, region by region, with the reason.
@@ -38,7 +39,8 @@ def small_training(steps):
     ref, ours = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
     ours.load_state_dict(ref.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
-    backend = fc.backend(handoff="aot_eager", cost_model="always")
+    # drop_logits: HF returns outputs.logits; dropping them lets the LM head and the loss fuse
+    backend = fc.backend(handoff="aot_eager", cost_model="always", drop_logits=True)
     t = time.perf_counter()
     losses = train(ours, torch.compile(ours, backend=backend), ids, steps)
     took = time.perf_counter() - t

@@ -12,10 +12,10 @@ if _version < MIN_TORCH:
 
 from torch._decomp import get_decompositions  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
-from torch._guards import detect_fake_mode  # noqa: E402
+from torch._guards import detect_fake_mode, tracing  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 
 # ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
 # that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
@@ -24,10 +24,12 @@ CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
 __all__ = [
     "CANONICAL_DECOMPOSITIONS",
+    "FakeTensor",
     "FakeTensorMode",
     "HigherOrderOperator",
     "OpOverload",
     "aot_eager",
     "compile_fx",
     "detect_fake_mode",
+    "tracing",
 ]

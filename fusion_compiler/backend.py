@@ -13,6 +13,7 @@ from . import _compat, engine
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
+from .constants import EXAMPLE
 from .decisions import Decision, DecisionLog
 
 
@@ -32,7 +33,15 @@ class FusionBackend:
             aten_gm, _ = to_aten(gm, example_inputs)
             training = torch.is_grad_enabled()
             grad_inputs = [training and isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
-            engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
+            placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+            for ph, t in zip(placeholders, example_inputs):  # cost hints (constants.example_value)
+                if isinstance(t, torch.Tensor) and not isinstance(t, _compat.FakeTensor):
+                    ph.meta[EXAMPLE] = t
+            try:
+                engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
+            finally:  # the graph must not keep the first call's tensors alive
+                for ph in placeholders:
+                    ph.meta.pop(EXAMPLE, None)
             self.rewritten.append(aten_gm)
         except Unsupported as e:
             self._fallback(gid, str(e))

@@ -13,7 +13,8 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
     einsum as matmul                               einsum("bhqd,bhkd->bhqk", q, k) -> q @ k^T
-    float casts after views                       view(x.float()) -> view(x).float()
+    casts, scalar pointwise ops after views        view(x.float()) -> view(x).float(); view(x / c) -> view(x) / c
+    view chains collapsed                          view(view(x, s1), s2) -> view(x, s2); to x's shape -> x
     matmul re-composed                             the expand/clone/view -> bmm -> view chain that
                                                    make_fx leaves for a batched a @ b (its shape
                                                    depends on the operands' strides) -> matmul(a, b)
@@ -172,23 +173,39 @@ def is_float_cast(node) -> bool:
         not extra.get("non_blocking") and not extra.get("pin_memory")
 
 
-def _cast_after_view(graph: fx.Graph, node: fx.Node) -> None:
-    """view(cast(x)) -> cast(view(x)): the cast moves next to its consumer, so a region that binds the
-    viewed tensor binds it in x's dtype and the upcast copy is never materialized (HF's LM loss)."""
-    if node.target not in _VIEWS or not is_float_cast(node.args[0]) or len(node.args[0].users) != 1:
-        return
-    cast, src = node.args[0], node.args[0].args[0]
+_SCALAR_POINTWISE = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
+                     aten.neg.default)
+
+
+def _elementwise_on_one(node) -> bool:
+    """A float cast, or a pointwise op whose only tensor argument is its first (x / c, tanh(x), ...)."""
+    if is_float_cast(node):
+        return True
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SCALAR_POINTWISE
+            and not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())))
+
+
+def _view_first(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """view(f(x)) -> f(view(x)) for a cast or a scalar pointwise f (HF's LM loss: the upcast and the
+    soft-cap move next to the loss, so a region binds the viewed logits in their own dtype, no copy
+    is materialized, and the views meet the matmul's). Returns the new view, or None."""
+    if node.target not in _VIEWS or not _elementwise_on_one(node.args[0]) or len(node.args[0].users) != 1:
+        return None
+    op, src = node.args[0], node.args[0].args[0]
     mode = getattr(val(src), "fake_mode", None)
     if mode is None:
-        return
+        return None
     with mode:
         viewed = val(src).view(node.args[1])
     with graph.inserting_before(node):
         view = graph.call_function(node.target, (src, *node.args[1:]), dict(node.kwargs))
-        new_cast = graph.call_function(aten._to_copy.default, (view,), dict(cast.kwargs))
+        new_op = graph.call_function(op.target, (view, *op.args[1:]), dict(op.kwargs))
     view.meta = dict(node.meta, val=viewed)
-    new_cast.meta = dict(node.meta)
-    node.replace_all_uses_with(new_cast)
+    new_op.meta = dict(node.meta)
+    node.replace_all_uses_with(new_op)
+    graph.erase_node(node)
+    graph.erase_node(op)  # its only user was node: the next op up may now have a single user
+    return view
 
 
 def _fill_defaults(node: fx.Node) -> None:
@@ -355,6 +372,30 @@ def _recompose_matmul(graph: fx.Graph, node: fx.Node) -> None:
     node.replace_all_uses_with(mm)
 
 
+def _collapse_view(graph: fx.Graph, node: fx.Node) -> None:
+    """view(view(x, s1), s2) -> view(x, s2); a view to x's own shape and strides -> x (what F.linear on
+    3-D input leaves between the LM head's matmul and the flattened logits of the loss)."""
+    if node.target not in _VIEWS or not (isinstance(node.args[0], fx.Node) and node.args[0].target in _VIEWS):
+        return
+    src, out = node.args[0].args[0], val(node)
+    v = val(src)
+    if v is None or out is None or not isinstance(src, fx.Node):
+        return
+    if tuple(v.shape) == tuple(out.shape) and v.stride() == out.stride():
+        node.replace_all_uses_with(src)
+        return
+    mode = getattr(v, "fake_mode", None)
+    if mode is None:
+        return
+    try:
+        with mode:
+            viewed = v.view(out.shape)
+    except RuntimeError:
+        return
+    if viewed.stride() == out.stride():
+        node.args = (src, *node.args[1:])
+
+
 def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
@@ -373,9 +414,15 @@ def canonicalize(graph: fx.Graph) -> None:
         elif node.target is aten.cat.default:
             _cat_dims(node)
         _algebra(graph, node)
+    graph.eliminate_dead_code()  # make_fx's unused detach nodes would count as users below
     for node in list(graph.nodes):
         if node.op == "call_function":
             _recompose_matmul(graph, node)
-            _cast_after_view(graph, node)
+            view = node
+            while view is not None:
+                view = _view_first(graph, view)
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            _collapse_view(graph, node)
     graph.eliminate_dead_code()
 

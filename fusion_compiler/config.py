@@ -33,6 +33,10 @@ class FusionConfig:
         reference GPU for CPU runs (so CPU tests see the decisions a GPU run would make).
     verify_kernels: run each new kernel signature once on random data at compile time; a kernel
         that fails to compile or run leaves its region to the hand-off, with the reason.
+    drop_logits: in training, when a fused loss's logits are also returned by the graph and used for
+        nothing else (HF causal LMs return outputs.logits beside outputs.loss), return an empty tensor
+        in their place so that the full logits are never materialized (the loss and its gradients are
+        unchanged). Off by default: a region whose logits are returned is a near-miss, and says so.
     """
     families: Optional[frozenset] = None
     patterns: Optional[frozenset] = None
@@ -43,6 +47,7 @@ class FusionConfig:
     cost_baseline: Optional[str] = None
     device_profile: Optional[str] = None
     verify_kernels: bool = True
+    drop_logits: bool = False
 
     def __post_init__(self):
         for name in ("families", "patterns"):

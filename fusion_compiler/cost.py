@@ -30,8 +30,22 @@ class DeviceProfile:
     eager_efficiency: float = 0.7
     default_efficiency: float = 0.75  # for kernels without measurements: ours and Inductor's alike
     matmul_flops: float = 737e12  # bf16 dense, measured
-    flash_efficiency: float = 0.45  # SDPA flash fwd+bwd: 334 TFLOP/s of 737 on the H100 (anchors)
-    flex_efficiency: float = 0.20  # FlexAttention softcap+causal fwd+bwd: 1.63 ms, 147 TFLOP/s (anchors)
+    # attention kernel -> ((max key length, fraction of matmul_flops on the score tiles computed), ...)
+    attention: dict = dataclasses.field(default_factory=dict)
+
+
+# H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
+# 2026-12-03-h200-attention-1.json. FLOPs counted on the score tiles each kernel computes (half for
+# flash causal; the block mask's tiles for FlexAttention). "unfused": Inductor's time on the
+# hand-written spelling over this module's roofline estimate of it (L2 catches the small scores).
+_ATTENTION_H200 = {
+    "flash": ((512, 0.42), (2048, 0.69), (1 << 30, 0.76)),
+    "flash_causal": ((512, 0.21), (2048, 0.52), (1 << 30, 0.66)),
+    "sdpa_mask": ((512, 0.27), (2048, 0.38), (1 << 30, 0.39)),  # efficient kernel reading the mask
+    "flex": ((512, 0.20), (2048, 0.385), (1 << 30, 0.45)),  # block mask only
+    "flex_score_mod": ((512, 0.08), (2048, 0.19), (1 << 30, 0.21)),  # soft-cap score_mod
+    "unfused": ((512, 0.62), (2048, 0.86), (1 << 30, 0.84)),
+}
 
 
 # Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
@@ -51,8 +65,9 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
                    (8192, 0.98, 1.026, 0.971, 0.708)),
 }
 PROFILES = {
-    "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12),
-    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12),
+    # the H100's attention figures are the H200's (same SMs and clocks; only the H200 was measured)
+    "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200),
+    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200),
 }
 REFERENCE = "h200"
 
@@ -154,26 +169,55 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
     return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")
 
 
-def estimate_attention(match, ctx: CostContext, density: float = 1.0, flex: bool = False) -> Estimate:
-    """Fused attention (SDPA, or FlexAttention when flex) against the unfused spelling, which
-    materializes the B*H*Lq*Lk scores: written by the first matmul, read and written by softmax (and
-    the mask), read by the second matmul; about twice as many passes again in the backward. Both do
-    the matmul FLOPs (the unfused one at cuBLAS efficiency, ~0.7); the fused kernel only on the
-    `density` fraction of score tiles its mask keeps (0.5 for causal)."""
+def _by_length(rows, length: int) -> float:
+    return next((eff for top, eff in rows if length <= top), rows[-1][1])
+
+
+def estimate_attention(match, ctx: CostContext, kernel: str, density: float = 1.0) -> Estimate:
+    """A fused attention kernel (ATTENTION kinds: flash, flash_causal, sdpa_mask, flex,
+    flex_score_mod) against the unfused spelling, which materializes the B*H*Lq*Lk scores: written by
+    the first matmul, read and written by softmax (and the mask), read by the second matmul; about
+    twice as many passes again in the backward. Both do the matmul FLOPs (the unfused one at cuBLAS
+    efficiency, ~0.7); the fused kernel only on the `density` fraction of score tiles it computes."""
     q, k, v = match.tensor_inputs()[:3]
     b_h = q.numel() // (q.shape[-2] * q.shape[-1])
     lq, lk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     flops = 4 * b_h * lq * lk * d * (3.5 if ctx.training else 1.0)
     p = ctx.profile
     io = sum(map(nbytes, (q, k, v))) + nbytes(q) * (4 if ctx.training else 1)
-    eff = p.flex_efficiency if flex else p.flash_efficiency
+    eff = _by_length(p.attention[kernel], lk)
     ours_s = 2 * p.launch_s + max(flops * density / (p.matmul_flops * eff), io / p.bandwidth)
     scores = b_h * lq * lk * q.element_size() * (12 if ctx.training else 4)
     base_l = 5 * (3 if ctx.training else 1)
     base_s = base_l * p.launch_s + flops / (p.matmul_flops * 0.7) + scores / p.bandwidth
     if ctx.baseline == "eager":
         base_s += scores / p.bandwidth  # eager does not fuse the mask and scale into the softmax
-    kernel = "FlexAttention" if flex else "SDPA"
+    else:
+        base_s *= _by_length(p.attention["unfused"], lk)
     return Estimate(ours_s, base_s, io, io + scores, ctx.baseline,
-                    f"{kernel}; {lq}x{lk} scores per head not materialized; {density:.0%} of score tiles "
-                    f"computed; {flops / 1e9:.1f} GFLOP")
+                    f"{kernel}; {lq}x{lk} scores per head not materialized; work on {density:.0%} of the score tiles"
+                    f"; {flops / 1e9:.1f} GFLOP")
+
+
+def estimate_linear_cross_entropy(match, ctx: CostContext) -> Estimate:
+    """The chunked LM head + loss against the matmul + fused loss Inductor emits: the same three GEMMs
+    (one without a gradient); ours moves each logit about 6 times in the logits' dtype (GEMM write,
+    two loss passes, gradient write, two GEMM reads), Inductor's fp32 loss about 8 (its backward
+    re-reads the logits for the softmax). The point is memory: the (N, V) logits, their fp32 upcast
+    and their gradient never exist whole (a chunk of at most 256 MiB does)."""
+    tensors = match.tensor_inputs()
+    h, w = tensors[0], tensors[1]
+    n, v, hdim = h.shape[0], w.shape[0], h.shape[1]
+    p = ctx.profile
+    gemms = 3 if ctx.training else 1
+    flops = 2 * n * v * hdim * gemms
+    logits = n * v * h.element_size()
+    ours_bytes = logits * (6 if ctx.training else 3)
+    base_bytes = logits * (8 if ctx.training else 3) + (n * v * 4 if ctx.training else 0)
+    gemm_s = flops / (p.matmul_flops * 0.8)
+    ours_s = gemm_s + ours_bytes / (p.bandwidth * p.default_efficiency)
+    base_s = gemm_s + base_bytes / (p.bandwidth * p.default_efficiency)
+    saved = logits * 2 + n * v * 4 if ctx.training else logits
+    return Estimate(ours_s, base_s, ours_bytes, base_bytes, ctx.baseline,
+                    f"not timed on {p.name}; logits {n}x{v} never materialized: ~{saved / 2**30:.2f} GiB less "
+                    f"peak memory; {flops / 1e12:.2f} TFLOP of GEMMs either way")

@@ -10,10 +10,12 @@ For each pattern (largest priority first) and each node computing its anchor op:
      outputs are redirected (cast back to their dtype where the op's differs) and the rest is DCE'd.
 Every candidate becomes a Decision.
 """
+import dataclasses
+
 import torch
 import torch.fx as fx
 
-from . import cost
+from . import _compat, cost
 from .canonical import trace_function, val
 from .decisions import Decision, DecisionLog, describe, location
 from .matcher import Matcher, candidates
@@ -52,7 +54,9 @@ def verify_replacement(pattern, values: list, training: bool) -> str | None:
         for v in values))
     if key not in _VERIFIED:
         try:
-            with torch.enable_grad():
+            # outside Dynamo's tracing context: FlexAttention's eager backward traces its score_mod
+            # and would pick up Dynamo's fake mode for our real tensors
+            with torch.enable_grad(), _compat.tracing(None):
                 args, leaves = [], []
                 for v in values:
                     r = _random_like(v) if isinstance(v, torch.Tensor) else v
@@ -85,6 +89,48 @@ def _layout_change(match, replacement: fx.GraphModule) -> str | None:
     return None
 
 
+_PASS_THROUGH = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten._to_copy.default,
+                 torch.ops.aten.slice.Tensor)
+
+
+def _returned_only(node: fx.Node) -> list[fx.Node] | None:
+    """The nodes that hand `node` to the graph's output when every use of it is a return (through
+    views, slices and casts: HF's outputs.logits); None when it has any other use."""
+    ends = []
+    for user in node.users:
+        if user.op == "output":
+            ends.append(node)
+        elif user.op == "call_function" and user.target in _PASS_THROUGH:
+            sub = _returned_only(user)
+            if sub is None:
+                return None
+            ends.extend(sub)
+        else:
+            return None
+    return ends
+
+
+def _droppable(match, config, training: bool) -> tuple[list[fx.Node], set]:
+    """With FusionConfig(drop_logits=True), in training: (the nodes a loss region's intermediates
+    are returned through, which the rewrite replaces by empty tensors; the outside users that start
+    those returns). Nothing when an intermediate has any other use."""
+    if not (config.drop_logits and training and match.pattern.family == "loss"):
+        return [], set()
+    inside = set(match.nodes)
+    ends, heads = [], set()
+    for n in match.nodes:
+        if n in match.outputs:
+            continue
+        for user in n.users:
+            if user not in inside:
+                sub = [n] if user.op == "output" else _returned_only(user)
+                if sub is None:
+                    return [], set()
+                ends.extend(sub)
+                heads.add(user)
+    return ends, heads
+
+
 def _insertion_point(graph: fx.Graph, match, order: dict) -> fx.Node | None:
     """The node after which the replacement goes: the region's last input (or the first node)."""
     inputs = [a for a in match.inputs if isinstance(a, fx.Node)]
@@ -96,7 +142,20 @@ def _insertion_point(graph: fx.Graph, match, order: dict) -> fx.Node | None:
     return last
 
 
-def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node) -> None:
+def _drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
+    """Return an empty tensor of the same dtype and device in place of each of `ends`."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for end in dict.fromkeys(ends):
+        v = val(end)
+        with graph.inserting_before(output):
+            empty = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
+                                        {"dtype": v.dtype, "device": v.device})
+        empty.meta["val"] = v.new_empty(0)
+        output.replace_input_with(end, empty)
+
+
+def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node,
+             dropped: list[fx.Node] = ()) -> None:
     graph = gm.graph
     placeholders = [n for n in replacement.graph.nodes if n.op == "placeholder"]
     env = {ph: a for ph, a in zip(placeholders, match.inputs) if isinstance(a, fx.Node)}
@@ -128,6 +187,7 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 new = cast
             # users inside the region are about to die (and may sit before the insertion point)
             old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in region)
+    _drop_returns(graph, list(dropped))
     graph.eliminate_dead_code()
 
 
@@ -156,7 +216,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
             match = loose.match(pattern, anchor)
             if match is None:
                 continue
-            decision, replacement = _decide(pattern, match, config, needs_grad, graph_id)
+            decision, replacement, dropped = _decide(pattern, match, config, needs_grad, graph_id)
             if replacement is not None:
                 order = {n: i for i, n in enumerate(gm.graph.nodes)}
                 after = _insertion_point(gm.graph, match, order)
@@ -164,7 +224,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                     decision = _row(graph_id, pattern, match, "near-miss",
                                     "an output is used before the region's last input is computed")
                 else:
-                    _rewrite(gm, match, replacement, after)
+                    _rewrite(gm, match, replacement, after, dropped)
                     needs_grad = _needs_grad(gm, grad_inputs)
                     live = set(gm.graph.nodes)
                     applied += 1
@@ -183,43 +243,66 @@ def _row(graph_id, pattern, match, verdict, reason, estimate=None) -> Decision:
     )
 
 
-def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None]:
+def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None, list]:
+    decision, replacement, dropped = _decide_region(pattern, match, config, needs_grad, gid)
+    if replacement is not None and dropped:
+        decision = dataclasses.replace(decision, reason=decision.reason + f"; returned logits dropped "
+                                       f"({', '.join(n.name for n in dropped)}: empty tensors, drop_logits=True)")
+    return decision, replacement, dropped
+
+
+def _escape_reason(inner, user, pattern) -> str:
+    where = location(user)
+    reason = f"intermediate {inner.name} is also used by {user.name}" + (f" ({where})" if where else "")
+    if pattern.family == "loss" and _returned_only(user if user.op != "output" else inner) is not None:
+        reason += ("; it is only returned (e.g. HF's outputs.logits): FusionConfig(drop_logits=True) returns "
+                   "an empty tensor instead in training")
+    return reason
+
+
+def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None, list]:
     values = match.input_values()
     exact = Matcher(pattern.graph_at(values), scalars(values), exact=True).match(pattern, match.anchor)
     if exact is None or set(exact.nodes) != set(match.nodes):
         return _row(gid, pattern, match, "near-miss",
-                    "structure matches but sizes or constants differ from the pattern at these shapes"), None
-    escape = match.escaping()
+                    "structure matches but sizes or constants differ from the pattern at these shapes"), None, []
+    training = any(isinstance(a, fx.Node) and a in needs_grad for a in match.inputs)
+    dropped, heads = _droppable(match, config, training)
+    escape = match.escaping(ignore=heads.__contains__)
     if escape is not None:
-        inner, user = escape
-        where = location(user)
-        return _row(gid, pattern, match, "near-miss",
-                    f"intermediate {inner.name} is also used by {user.name}" + (f" ({where})" if where else "")), None
+        return _row(gid, pattern, match, "near-miss", _escape_reason(*escape, pattern)), None, []
     if pattern.can_apply is not None:
         why = pattern.can_apply(match)
         if why:
-            return _row(gid, pattern, match, "rejected", why), None
-    training = any(isinstance(a, fx.Node) and a in needs_grad for a in match.inputs)
+            return _row(gid, pattern, match, "rejected", why), None, []
     device = next((v.device for v in match.tensor_inputs()), torch.device("cpu"))
     ctx = cost.CostContext(cost.profile_for(device, config.device_profile), config.baseline, training)
     estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
     if config.cost_model == "roofline" and not estimate.profitable:
-        return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None
+        return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
     if config.verify_kernels:
         failure = verify_replacement(pattern, values, training)
         if failure:
-            return _row(gid, pattern, match, "rejected", failure, estimate), None
+            return _row(gid, pattern, match, "rejected", failure, estimate), None, []
+    grads = [isinstance(a, fx.Node) and a in needs_grad for a in match.inputs]
     try:
-        replacement = trace_function(pattern.replacement, values)
+        replacement = trace_function(pattern.replacement, _with_grad_flags(values, grads))
     except Exception as e:  # noqa: BLE001
-        return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None
+        return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None, []
     if any(n.op == "get_attr" and not isinstance(getattr(replacement, n.target), fx.GraphModule)
            for n in replacement.graph.nodes):
         return _row(gid, pattern, match, "rejected",
-                    "replacement creates tensor constants; compute them inside an op instead"), None
+                    "replacement creates tensor constants; compute them inside an op instead"), None, []
     layout = _layout_change(match, replacement)
     if layout:
-        return _row(gid, pattern, match, "rejected", layout), None
+        return _row(gid, pattern, match, "rejected", layout), None, []
     reason = estimate.reason() if config.cost_model == "roofline" else \
         f"cost model off (cost_model='always'); {estimate.reason()}"
-    return _row(gid, pattern, match, "applied", reason, estimate), replacement
+    return _row(gid, pattern, match, "applied", reason, estimate), replacement, dropped
+
+
+def _with_grad_flags(values: list, grads: list[bool]) -> list:
+    """The region's input values with requires_grad as in the user's graph, so a replacement can
+    skip gradient work in inference (it sees h.requires_grad)."""
+    return [v.detach().requires_grad_(g) if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+            else v for v, g in zip(values, grads)]

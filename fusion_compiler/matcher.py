@@ -55,10 +55,11 @@ class Match:
     def tensor_inputs(self) -> list:
         return [v for v in self.input_values() if isinstance(v, torch.Tensor)]
 
-    def escaping(self) -> Optional[tuple[fx.Node, fx.Node]]:
-        """(intermediate, outside user) when an intermediate of the region is used outside it.
-        Intermediates that depend on no region input (a causal mask built from constants, shared by
-        every layer) may have other users: they stay in the graph for them."""
+    def escaping(self, ignore=lambda user: False) -> Optional[tuple[fx.Node, fx.Node]]:
+        """(intermediate, outside user) when an intermediate of the region is used outside it (users
+        for which ignore(user) is true excepted). Intermediates that depend on no region input (a
+        causal mask built from constants, shared by every layer) may have other users: they stay in
+        the graph for them."""
         inside = set(self.nodes)
         outs = set(self.outputs)
         inputs = {a for a in self.inputs if isinstance(a, fx.Node)}
@@ -70,7 +71,7 @@ class Match:
             if n in outs or n not in dependent:
                 continue
             for user in n.users:
-                if user not in inside:
+                if user not in inside and not ignore(user):
                     return n, user
         return None
 

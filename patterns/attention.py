@@ -21,19 +21,23 @@ constants (HF's eager mask: evaluated at compile time and checked to be causal).
     constant masks that are not causal (sliding windows, prefix-LM): FlexAttention with that block
     mask when the tiles it skips make it cheaper than SDPA reading the mask (cost model, density
     measured from the constant at compile time); else SDPA with the mask.
+    a bool mask from a graph input (nanoGPT's registered causal buffer, a padding mask): FlexAttention
+    with a block mask reduced from it at every call when the first call's mask has enough empty
+    tiles to beat SDPA reading the mask (a cost hint only: any mask value gives the right result).
 ALiBi and relative position biases added as tensors are additive masks (SDPA's attn_mask, gradient
-included). A bool mask from a graph input (nanoGPT's registered causal buffer, padding) stays SDPA's
-attn_mask: its tiles are not known at compile time.
+included). Kernel efficiencies per length: cost.py, measured on the H200.
 """
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from fusion_compiler import cost
-from fusion_compiler.constants import constant_value, is_causal_mask
+from fusion_compiler.constants import constant_value, example_value, is_causal_mask
 from fusion_compiler.pattern import register_pattern
 
-from .block_masks import block_density, causal_block_mask, dense_block_mask
+from .block_masks import block_density, causal_block_mask, causal_density, dense_block_mask
 from .checks import float_dtype, one_device
 
 
@@ -236,18 +240,42 @@ def _constant_mask_legal(additive: bool, causal: bool, flex: bool = False):
     return legal
 
 
-def _should(causal: bool, flex: bool = False):
-    return lambda match, ctx: cost.estimate_attention(match, ctx, 0.5 if causal else 1.0, flex)
+def _should(kernel: str):
+    """Cost of a kernel that computes every score tile (flash_causal: half of them)."""
+    density = 0.5 if kernel == "flash_causal" else 1.0
+    return lambda match, ctx: cost.estimate_attention(match, ctx, kernel, density)
 
 
-def _should_block(additive: bool):
-    """FlexAttention over the tiles a constant mask keeps, against the unfused graph; kept off when
-    SDPA reading the whole mask (every tile) is estimated cheaper."""
+def _should_flex_causal(match, ctx):
+    q, k = match.tensor_inputs()[:2]
+    return cost.estimate_attention(match, ctx, "flex_score_mod", causal_density(q.shape[-2], k.shape[-2]))
+
+
+PARTIAL_TILE_COST = 1.5  # a partial tile reads the mask per score (assumed, not measured alone)
+
+
+def _mask_density(match, additive: bool) -> tuple[float, str]:
+    """Work on the score tiles the region's mask keeps, in whole tiles (partial ones cost
+    PARTIAL_TILE_COST): counted on its value when known at compile time (a constant), else on the
+    first call's inputs (a hint: nanoGPT's buffer), else every tile, partial."""
+    value = example_value(match.inputs[3]) if hasattr(match.inputs[3], "meta") else None
+    keep = _pure_keep(value, additive) if value is not None else None
+    if keep is None:
+        return PARTIAL_TILE_COST, "mask unknown at compile time: every tile counted, partial"
+    kept, partial = block_density(keep)
+    return kept + (PARTIAL_TILE_COST - 1) * partial, f"tiles counted on the mask's value: {kept:.0%} kept, " \
+        f"{partial:.0%} partial"
+
+
+def _should_flex(kernel: str, additive: bool, against_sdpa: bool):
+    """FlexAttention over the tiles the mask keeps, against the unfused graph; with against_sdpa, kept
+    off when SDPA reading the whole mask (every tile) is estimated cheaper."""
     def should(match, ctx):
-        keep = _pure_keep(constant_value(match.inputs[3]), additive)
-        flex = cost.estimate_attention(match, ctx, block_density(keep), flex=True)
-        sdpa = cost.estimate_attention(match, ctx, 1.0)
-        if sdpa.ours_s < flex.ours_s:
+        density, source = _mask_density(match, additive)
+        flex = cost.estimate_attention(match, ctx, kernel, density)
+        flex = dataclasses.replace(flex, note=f"{flex.note}; {source}")
+        sdpa = cost.estimate_attention(match, ctx, "sdpa_mask")
+        if against_sdpa and sdpa.ours_s < flex.ours_s:
             return cost.Estimate(flex.ours_s, sdpa.ours_s, flex.ours_bytes, sdpa.ours_bytes, "SDPA with the mask",
                                  flex.note)
         return flex
@@ -261,10 +289,10 @@ _MASKED = torch.rand(1, 1, 5, 7) > 0.5
 KEEP = 0.876543  # distinctive example value of the dropout keep probability
 
 
-def _register(name, search, replacement, examples, legal, causal=False, priority=30, kernel="sdpa", should=None):
+def _register(name, search, replacement, examples, legal, kernel="flash", priority=30, should=None):
     register_pattern(name, family="attention", kernel=kernel, search=search, replacement=replacement,
-                     example_inputs=examples, can_apply=legal,
-                     should_apply=should or _should(causal, kernel == "flex"), priority=priority)
+                     example_inputs=examples, can_apply=legal, should_apply=should or _should(kernel),
+                     priority=priority)
 
 
 _register("attention", attention, lambda q, k, v, scale: _sdpa(q, k, v, scale), [*_QKV, SCALE], _legal)
@@ -272,65 +300,66 @@ _register("attention_prescaled_q", attention_prescaled_q, lambda q, k, v, scale:
           [*_QKV, SCALE], _legal)
 _register("attention_additive_mask", attention_additive_mask,
           lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, mask=mask.to(q.dtype)),
-          [*_QKV, _MASK, SCALE], _mask_legal, priority=40)
+          [*_QKV, _MASK, SCALE], _mask_legal, "sdpa_mask", priority=40)
 _register("attention_bool_mask", attention_bool_mask,
           lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, mask=~masked),
-          [*_QKV, _MASKED, SCALE], _mask_legal, priority=40)
+          [*_QKV, _MASKED, SCALE], _mask_legal, "sdpa_mask", priority=40)
 _register("attention_causal", attention_causal, lambda q, k, v, scale: _sdpa(q, k, v, scale, causal=True),
-          [*_CAUSAL_QKV, SCALE], _legal, causal=True, priority=50)
+          [*_CAUSAL_QKV, SCALE], _legal, "flash_causal", priority=50)
 # a mask the graph builds from constants and that is causal: flash's is_causal instead of a mask read
 _register("attention_causal_mask", attention_additive_mask,
           lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, causal=True),
-          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=True), causal=True, priority=45)
+          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=True), "flash_causal", priority=45)
 _register("attention_causal_bool_mask", attention_bool_mask,
           lambda q, k, v, masked, scale: _sdpa(q, k, v, scale, causal=True),
-          [*_QKV, _MASKED, SCALE], _constant_mask_legal(additive=False, causal=True), causal=True, priority=45)
-# constant masks that are not causal (sliding windows): FlexAttention skips the tiles they mask
+          [*_QKV, _MASKED, SCALE], _constant_mask_legal(additive=False, causal=True), "flash_causal", priority=45)
+# other masks: FlexAttention skips the tiles they mask entirely (sliding windows, causal buffers)
 _register("attention_block_mask", attention_additive_mask,
           lambda q, k, v, mask, scale: _flex(q, k, v, scale, keep=mask == 0),
-          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=False, flex=True), priority=44,
-          kernel="flex", should=_should_block(additive=True))
+          [*_QKV, _MASK, SCALE], _constant_mask_legal(additive=True, causal=False, flex=True), "flex", priority=44,
+          should=_should_flex("flex", additive=True, against_sdpa=True))
 _register("attention_block_bool_mask", attention_bool_mask,
           lambda q, k, v, masked, scale: _flex(q, k, v, scale, keep=~masked),
-          [*_QKV, _MASKED, SCALE], _constant_mask_legal(additive=False, causal=False, flex=True), priority=44,
-          kernel="flex", should=_should_block(additive=False))
+          [*_QKV, _MASKED, SCALE], _flex_legal(_mask_legal), "flex", priority=44,
+          should=_should_flex("flex", additive=False, against_sdpa=True))
 # with dropout on the probabilities (training): larger regions, so they run first
 _register("attention_dropout", attention_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, keep=keep), [*_QKV, SCALE, KEEP], _legal, priority=60)
 _register("attention_additive_mask_dropout", attention_additive_mask_dropout,
           lambda q, k, v, mask, scale, keep: _sdpa(q, k, v, scale, mask=mask.to(q.dtype), keep=keep),
-          [*_QKV, _MASK, SCALE, KEEP], _mask_legal, priority=70)
+          [*_QKV, _MASK, SCALE, KEEP], _mask_legal, "sdpa_mask", priority=70)
 _register("attention_bool_mask_dropout", attention_bool_mask_dropout,
           lambda q, k, v, masked, scale, keep: _sdpa(q, k, v, scale, mask=~masked, keep=keep),
-          [*_QKV, _MASKED, SCALE, KEEP], _mask_legal, priority=70)
+          [*_QKV, _MASKED, SCALE, KEEP], _mask_legal, "sdpa_mask", priority=70)
 _register("attention_causal_mask_dropout", attention_additive_mask_dropout,
           lambda q, k, v, mask, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
-          [*_QKV, _MASK, SCALE, KEEP], _constant_mask_legal(additive=True, causal=True), causal=True, priority=75)
+          [*_QKV, _MASK, SCALE, KEEP], _constant_mask_legal(additive=True, causal=True), "flash_causal", priority=75)
 _register("attention_causal_dropout", attention_causal_dropout,
           lambda q, k, v, scale, keep: _sdpa(q, k, v, scale, causal=True, keep=keep),
-          [*_CAUSAL_QKV, SCALE, KEEP], _legal, causal=True, priority=80)
+          [*_CAUSAL_QKV, SCALE, KEEP], _legal, "flash_causal", priority=80)
 # logit soft-capping (Gemma 2): FlexAttention, with the tightest block mask the mask allows
 CAP = 29.87654  # distinctive example value of the soft-cap
 _register("attention_softcap", attention_softcap, lambda q, k, v, scale, cap: _flex(q, k, v, scale, cap),
-          [*_QKV, SCALE, CAP], _flex_legal(_legal), priority=60, kernel="flex")
+          [*_QKV, SCALE, CAP], _flex_legal(_legal), "flex_score_mod", priority=60)
 _register("attention_softcap_causal", attention_softcap_causal,
           lambda q, k, v, scale, cap: _flex(q, k, v, scale, cap, causal=True),
-          [*_CAUSAL_QKV, SCALE, CAP], _flex_legal(_legal), causal=True, priority=80, kernel="flex")
+          [*_CAUSAL_QKV, SCALE, CAP], _flex_legal(_legal), "flex_score_mod", priority=80, should=_should_flex_causal)
 _register("attention_softcap_causal_mask", attention_softcap_mask,
           lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, causal=True),
-          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=True, flex=True), causal=True,
-          priority=75, kernel="flex")
+          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=True, flex=True), "flex_score_mod",
+          priority=75, should=_should_flex_causal)
 _register("attention_softcap_causal_bool_mask", attention_softcap_bool_mask,
           lambda q, k, v, masked, scale, cap: _flex(q, k, v, scale, cap, causal=True),
-          [*_QKV, _MASKED, SCALE, CAP], _constant_mask_legal(additive=False, causal=True, flex=True), causal=True,
-          priority=75, kernel="flex")
+          [*_QKV, _MASKED, SCALE, CAP], _constant_mask_legal(additive=False, causal=True, flex=True),
+          "flex_score_mod", priority=75, should=_should_flex_causal)
 _register("attention_softcap_block_mask", attention_softcap_mask,
           lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, keep=mask == 0),
-          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=False, flex=True), priority=72,
-          kernel="flex")
+          [*_QKV, _MASK, SCALE, CAP], _constant_mask_legal(additive=True, causal=False, flex=True), "flex_score_mod",
+          priority=72, should=_should_flex("flex_score_mod", additive=True, against_sdpa=False))
 _register("attention_softcap_bool_mask", attention_softcap_bool_mask,
           lambda q, k, v, masked, scale, cap: _flex(q, k, v, scale, cap, keep=~masked),
-          [*_QKV, _MASKED, SCALE, CAP], _flex_legal(_mask_legal), priority=70, kernel="flex")
+          [*_QKV, _MASKED, SCALE, CAP], _flex_legal(_mask_legal), "flex_score_mod", priority=70,
+          should=_should_flex("flex_score_mod", additive=False, against_sdpa=False))
 _register("attention_softcap_mask", attention_softcap_mask,
           lambda q, k, v, mask, scale, cap: _flex(q, k, v, scale, cap, mask=mask),
-          [*_QKV, _MASK, SCALE, CAP], _flex_legal(_mask_legal), priority=68, kernel="flex")
+          [*_QKV, _MASK, SCALE, CAP], _flex_legal(_mask_legal), "flex_score_mod", priority=68)

@@ -7,7 +7,8 @@ microseconds per call:
     causal_block_mask(lq, lk)  from the block grid alone (no L x S work), mask_mod q >= k
     dense_block_mask(keep)     from a bool "kept" tensor (..., L, S) (a sliding window, a registered
                                causal buffer, a padding mask): reduced per tile; mask_mod reads it
-block_density(keep) gives, at compile time, the fraction of tiles a constant mask leaves to compute.
+block_density(keep) and causal_density(lq, lk) give, at compile time, the fraction of tiles left to
+compute (the cost model's input).
 """
 import torch
 import torch.nn.functional as F
@@ -65,8 +66,15 @@ def dense_block_mask(keep: torch.Tensor, batch: int, heads: int) -> BlockMask:
     return _from_flags(partial, full, lambda b, h, q, k: table[b, h, q, k], *keep.shape[-2:])
 
 
-def block_density(keep: torch.Tensor) -> float:
-    """Fraction of (query tile, key tile) pairs with at least one kept score."""
+def block_density(keep: torch.Tensor) -> tuple[float, float]:
+    """(fraction of (query tile, key tile) pairs with at least one kept score, fraction of them that
+    are partial: FlexAttention evaluates the mask element by element there)."""
     keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
     partial, full = _tile_flags(keep)
-    return (partial | full).float().mean().item()
+    return (partial | full).float().mean().item(), partial.float().mean().item()
+
+
+def causal_density(lq: int, lk: int) -> float:
+    """Fraction of tiles the causal block mask computes (just over one half)."""
+    kept = sum(min(_blocks(lk), (min((qb + 1) * BLOCK, lq) - 1) // BLOCK + 1) for qb in range(_blocks(lq)))
+    return kept / (_blocks(lq) * _blocks(lk))

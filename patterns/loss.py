@@ -1,35 +1,90 @@
-"""Loss family: cross-entropy as one kernel that computes the loss and its gradient in one pass.
+"""Loss family: cross-entropy as one kernel that computes the loss and its gradient in one pass, and
+the LM head's linear fused in, in chunks of tokens, so the logits never exist whole.
 
 Spellings matched (any ignore_index; mean, sum or none):
     F.cross_entropy(logits, target) / nn.CrossEntropyLoss / F.nll_loss(F.log_softmax(logits, -1), target)
     HF causal-LM loss: logits.float(), shifted labels, flattened, then F.cross_entropy
+    label smoothing (mean, sum): as F.cross_entropy(label_smoothing=eps) decomposes; the two scalars
+    it leaves, 1 - eps and eps / V, are checked to agree
+    the same preceded by the LM head, F.linear(h, W[, b]) (tied or untied W: it is one input either
+    way), optionally logit soft-capping tanh(logits / cap) * cap (Gemma 2): mean and sum only (the
+    gradients are computed in the forward, which a per-token incoming gradient would invalidate)
 Logits upcast to fp32 before the loss are read in their own dtype (the cast is not materialized).
-Not yet: label smoothing in the graph, class weights, the LM-head linear
-fused in (chunked linear + cross-entropy); a mean over no valid token is 0 where eager gives NaN.
+When the logits are also returned (HF returns outputs.logits) the region is a near-miss, unless
+FusionConfig(drop_logits=True), which returns an empty tensor in their place in training.
+Not matched: class weights, class-probability targets. A mean over no valid token is 0 where eager
+gives NaN.
 """
 import torch
 import torch.nn.functional as F
 
+from fusion_compiler import cost
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.pattern import register_pattern
 
 from .checks import float_dtype, one_device
 
 IGNORE = -7777  # distinctive example value: the int literal equal to it binds `ignore_index`
+CAP = 29.87654  # ... the float literal equal to it binds the soft-cap
+KEEP = 0.987654  # ... 1 - label smoothing
+SMOOTH_PER_CLASS = 0.00123457  # ... label smoothing / vocabulary size
+_LOGITS, _TARGET = torch.randn(6, 10), torch.randint(0, 10, (6,))
+_H, _W, _B = torch.randn(6, 8), torch.randn(10, 8), torch.randn(10)
 
 
-def _legal(match) -> str | None:
-    logits, target, _ = match.input_values()
-    # mixed devices, a device without a Triton backend, or float64 logits
-    why = one_device((logits, target)) or can_launch(logits.device) or float_dtype(logits)
+def _targets_legal(rows: int, dtype: torch.dtype, device: torch.device, target) -> str | None:
+    # a device without a Triton backend, or float64 logits
+    why = can_launch(device) or float_dtype(torch.empty(0, dtype=dtype))
     if why:
         return why
-    # class-probability targets or a batch layout other than (N, V) / (N,)
-    if logits.dim() != 2 or target.dim() != 1 or target.dtype != torch.int64 or target.shape[0] != logits.shape[0]:
-        return f"logits {list(logits.shape)} / target {target.dtype}{list(target.shape)} are not (N, V) / int64 (N,)"
+    # class-probability targets, or targets not one per row
+    if target.dim() != 1 or target.dtype != torch.int64 or target.shape[0] != rows:
+        return f"target {target.dtype}{list(target.shape)} is not int64 ({rows},)"
     return None
 
 
+def _legal(match) -> str | None:
+    logits, target = match.input_values()[:2]
+    why = one_device((logits, target))
+    if why:
+        return why
+    # a batch layout other than (N, V)
+    if logits.dim() != 2:
+        return f"logits {list(logits.shape)} are not (N, V)"
+    return _targets_legal(logits.shape[0], logits.dtype, logits.device, target)
+
+
+def _smoothing(keep: float, per_class: float, vocab: int) -> float | None:
+    """eps from the two scalars of the decomposition, or None when they disagree."""
+    eps = 1.0 - keep
+    return eps if abs(per_class * vocab - eps) <= 1e-6 * max(1.0, eps) else None
+
+
+def _smooth_legal(match) -> str | None:
+    logits, _, _, keep, per_class = match.input_values()
+    why = _legal(match)
+    if why:
+        return why
+    if _smoothing(keep, per_class, logits.shape[-1]) is None:
+        return f"scalars {keep} and {per_class} are not 1 - eps and eps / {logits.shape[-1]} of one label smoothing"
+    return None
+
+
+def _linear_legal(match) -> str | None:
+    tensors = match.tensor_inputs()  # h, W, [b,] target
+    h, w, target = tensors[0], tensors[1], tensors[-1]
+    why = one_device(tensors)
+    if why:
+        return why
+    # one dtype for the matmul (h, W and b)
+    if any(t.dtype != h.dtype for t in tensors[:-1]):
+        return f"hidden {h.dtype} / weight {w.dtype} (/ bias) dtypes differ"
+    if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
+        return f"hidden {list(h.shape)} / weight {list(w.shape)} are not (N, H) / (V, H)"
+    return _targets_legal(h.shape[0], h.dtype, h.device, target)
+
+
+# --- cross-entropy on logits -------------------------------------------------------------------------
 def _register(reduction: str) -> None:
     def cross_entropy(logits, target, ignore_index):
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
@@ -39,9 +94,86 @@ def _register(reduction: str) -> None:
     register_pattern(f"cross_entropy_{reduction}", family="loss", kernel="cross_entropy", search=cross_entropy,
                      replacement=lambda logits, target, ignore_index: torch.ops.fusion.cross_entropy(
                          logits, target, ignore_index, reduction, 0.0)[0],
-                     example_inputs=[torch.randn(6, 10), torch.randint(0, 10, (6,)), IGNORE], can_apply=_legal,
-                     priority=20)
+                     example_inputs=[_LOGITS, _TARGET, IGNORE], can_apply=_legal, priority=20)
+
+
+def _register_smoothed(reduction: str) -> None:
+    def smoothed(logits, target, ignore_index, keep, per_class):
+        """before: F.cross_entropy(logits, target, ignore_index=i, label_smoothing=eps) as it decomposes:
+        (1 - eps) * nll + (eps / V) * sum of -log_softmax over classes and valid rows (mean: / valid rows)
+        after:  fusion.cross_entropy(logits, target, i, reduction, eps)[0]"""
+        lsm = torch.log_softmax(logits, -1)
+        nll = F.nll_loss(lsm, target, ignore_index=ignore_index, reduction=reduction)
+        ignored = target == ignore_index
+        smooth = (-lsm.sum(-1)).masked_fill(ignored, 0.0).sum()
+        if reduction == "mean":
+            smooth = smooth / (~ignored).sum()
+        return nll * keep + smooth * per_class
+
+    def replacement(logits, target, ignore_index, keep, per_class):
+        eps = _smoothing(keep, per_class, logits.shape[-1])
+        return torch.ops.fusion.cross_entropy(logits, target, ignore_index, reduction, eps)[0]
+
+    register_pattern(f"cross_entropy_smoothed_{reduction}", family="loss", kernel="cross_entropy", search=smoothed,
+                     replacement=replacement, example_inputs=[_LOGITS, _TARGET, IGNORE, KEEP, SMOOTH_PER_CLASS],
+                     can_apply=_smooth_legal, priority=25)
 
 
 for _reduction in ("mean", "sum", "none"):
     _register(_reduction)
+for _reduction in ("mean", "sum"):
+    _register_smoothed(_reduction)
+
+
+# --- linear + cross-entropy --------------------------------------------------------------------------
+def _lce(h, w, b, target, ignore_index, reduction, cap=0.0):
+    """The chunked op; gradients are computed in the forward only when something needs them."""
+    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b))
+    return torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, 0.0, cap, with_grad)[0]
+
+
+def _register_linear(reduction: str, bias: bool, softcap: bool) -> None:
+    def logits_of(h, w, b, cap):
+        logits = F.linear(h, w, b)
+        return torch.tanh(logits / cap) * cap if softcap else logits
+
+    def loss(logits, target, ignore_index):
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    if bias and softcap:
+        def search(h, w, b, target, ignore_index, cap):
+            return loss(logits_of(h, w, b, cap), target, ignore_index)
+        def replacement(h, w, b, target, ignore_index, cap):  # noqa: E306
+            return _lce(h, w, b, target, ignore_index, reduction, cap)
+        examples = [_H, _W, _B, _TARGET, IGNORE, CAP]
+    elif bias:
+        def search(h, w, b, target, ignore_index):
+            return loss(logits_of(h, w, b, None), target, ignore_index)
+        def replacement(h, w, b, target, ignore_index):  # noqa: E306
+            return _lce(h, w, b, target, ignore_index, reduction)
+        examples = [_H, _W, _B, _TARGET, IGNORE]
+    elif softcap:
+        def search(h, w, target, ignore_index, cap):
+            return loss(logits_of(h, w, None, cap), target, ignore_index)
+        def replacement(h, w, target, ignore_index, cap):  # noqa: E306
+            return _lce(h, w, None, target, ignore_index, reduction, cap)
+        examples = [_H, _W, _TARGET, IGNORE, CAP]
+    else:
+        def search(h, w, target, ignore_index):
+            return loss(logits_of(h, w, None, None), target, ignore_index)
+        def replacement(h, w, target, ignore_index):  # noqa: E306
+            return _lce(h, w, None, target, ignore_index, reduction)
+        examples = [_H, _W, _TARGET, IGNORE]
+    name = "linear_" + ("bias_" if bias else "") + ("softcap_" if softcap else "") + f"cross_entropy_{reduction}"
+    search.__doc__ = (f"before: F.cross_entropy({'softcap(' if softcap else ''}F.linear(h, W{', b' if bias else ''})"
+                      f"{')' if softcap else ''}, target, reduction={reduction!r})   "
+                      "after: fusion.linear_cross_entropy(...) in chunks of tokens")
+    register_pattern(name, family="loss", kernel="linear_cross_entropy", search=search, replacement=replacement,
+                     example_inputs=examples, can_apply=_linear_legal, should_apply=cost.estimate_linear_cross_entropy,
+                     priority=40 + 2 * softcap + bias)
+
+
+for _reduction in ("mean", "sum"):
+    for _bias in (False, True):
+        for _softcap in (False, True):
+            _register_linear(_reduction, _bias, _softcap)

@@ -9,6 +9,8 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.glu_packed(x, act, gate_first)         -> the same on the two halves of x
     torch.ops.fusion.cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
                                                             -> (loss, d loss / d logits)
+    torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, label_smoothing,
+                                          softcap, with_grad)  -> (loss, dh, dw, db), in chunks of tokens
 """
 from . import elementwise, loss, norm  # noqa: F401  (registers the ops)
 

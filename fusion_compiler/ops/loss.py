@@ -1,8 +1,12 @@
-"""Loss ops: cross-entropy whose forward also produces the gradient (kernel in codegen/cross_entropy.py)."""
+"""Loss ops whose forward also produces the gradient: cross-entropy (codegen/cross_entropy.py) and the
+chunked linear + cross-entropy (codegen/linear_cross_entropy.py)."""
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from fusion_compiler.codegen import cross_entropy as ce_kernels
+from fusion_compiler.codegen import linear_cross_entropy as lce_kernels
 
 
 @torch.library.custom_op("fusion::cross_entropy", mutates_args=())
@@ -32,3 +36,40 @@ def _grad(ctx, dloss, _ddlogits):
 
 
 cross_entropy.register_autograd(_grad, setup_context=_setup)
+
+
+@torch.library.custom_op("fusion::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, ignore_index: int,
+                         reduction: str, label_smoothing: float, softcap: float,
+                         with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dh, dw, db) for cross_entropy(softcap(h @ w^T + b), target) with reduction mean or sum;
+    the gradients (for a unit incoming gradient) are computed only with_grad, else empty."""
+    loss, dh, dw, db = lce_kernels.linear_cross_entropy(h, w, b, target, ignore_index, reduction,
+                                                        label_smoothing, softcap, with_grad)
+    return loss, *(g if g is not None else h.new_empty(0) for g in (dh, dw, db))
+
+
+@linear_cross_entropy.register_fake
+def _(h, w, b, target, ignore_index, reduction, label_smoothing, softcap, with_grad):
+    def grad(t):
+        return t.new_empty(t.shape) if with_grad and t is not None else h.new_empty(0)
+    return h.new_empty((), dtype=torch.float32), grad(h), grad(w), grad(b)
+
+
+def _lce_setup(ctx, inputs, output):
+    ctx.with_bias = inputs[2] is not None
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _lce_grad(ctx, dloss, *_):
+    dh, dw, db = ctx.saved_tensors
+    if dh.numel() == 0 and dw.numel() == 0:
+        raise RuntimeError("fusion::linear_cross_entropy ran without with_grad: no gradient to give")
+    scale = dloss.float()
+    grads = [(g * scale).to(g.dtype) for g in (dh, dw)]
+    return grads[0], grads[1], ((db * scale).to(db.dtype) if ctx.with_bias else None), \
+        None, None, None, None, None, None
+
+
+linear_cross_entropy.register_autograd(_lce_grad, setup_context=_lce_setup)

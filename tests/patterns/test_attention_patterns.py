@@ -124,7 +124,7 @@ def test_attention_roofline_at_the_anchor_shape():
         q = torch.empty(4, 16, 2048, 128, dtype=torch.bfloat16)
     pat = {p.name: p for p in registered_patterns()}["attention_causal"]
     m = Match(pat, None, [node(q), node(q), node(q), 0.088], [node(q)], [])
-    est = cost.estimate_attention(m, cost.CostContext(cost.PROFILES["h100"], "inductor", True), density=0.5)
+    est = cost.estimate_attention(m, cost.CostContext(cost.PROFILES["h100"], "inductor", True), "flash_causal", 0.5)
     assert est.profitable and 0.5e-3 < est.ours_s < 1.0e-3 and 2.5e-3 < est.baseline_s < 4e-3, est
 
 
@@ -237,18 +237,38 @@ def test_sliding_window_block_mask_inside_inductor():
     _flex_applied(be, "attention_block_mask")
 
 
-def test_sliding_window_cost_follows_the_tile_density():
-    """Roofline: a window of 128 over 2048 positions leaves 12% of the tiles (FlexAttention); one of
-    1900 leaves 53% (SDPA reading the mask is estimated cheaper, the reason says so)."""
-    def fn(q, k, v, window):
-        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + _window_additive(q.size(-2), window), -1) @ v
+def _no_diagonal_additive(n):
+    i = torch.arange(n)
+    return torch.zeros(1, 1, n, n).masked_fill(i[:, None] == i[None], torch.finfo(torch.float32).min)
+
+
+def test_block_mask_cost_follows_the_tile_density():
+    """Roofline: a window of 128 over 2048 positions leaves 12% of the tiles (FlexAttention); a mask
+    that only drops the diagonal leaves every tile to compute, and SDPA reading it is estimated
+    cheaper (the reason says so)."""
     q, k, v = _qkv(2048, 2048, d=64, bh=(1, 1))
     decided = {}
-    for window in (128, 1900):
-        torch.compiler.reset()  # else the second window compiles with a dynamic int
-        rep = fc.explain(lambda q, k, v: fn(q, k, v, window), q, k, v)
+    for name, build in (("window", lambda n: _window_additive(n, 128)), ("no_diagonal", _no_diagonal_additive)):
+        torch.compiler.reset()  # the masks are built in the graph, from constants
+        rep = fc.explain(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.25 + build(q.size(-2)), -1) @ v,
+                         q, k, v)
         [d] = rep.where(pattern="attention_block_mask")
-        decided[window] = d
-    assert decided[128].verdict == "applied" and "12% of score tiles" in decided[128].reason
-    assert decided[1900].verdict == "rejected" and "keep SDPA with the mask" in decided[1900].reason
+        decided[name] = d
+    assert decided["window"].verdict == "applied" and "12% kept" in decided["window"].reason
+    assert decided["no_diagonal"].verdict == "rejected" and "keep SDPA with the mask" in decided["no_diagonal"].reason
     assert rep.where(pattern="attention_additive_mask")[0].verdict == "applied"
+
+
+def test_nanogpt_buffer_tiles_come_from_the_first_calls_buffer():
+    """The buffer is a graph input: its value on the first call is a cost hint. Causal at 2048, half
+    of the tiles are empty, so FlexAttention (block mask reduced from the buffer at every call) is
+    estimated well ahead of SDPA reading the mask."""
+    bias = torch.tril(torch.ones(2048, 2048)).view(1, 1, 2048, 2048)
+
+    def fn(q, k, v, bias):
+        t = q.size(-2)
+        return torch.softmax((q @ k.transpose(-2, -1) * 0.125).masked_fill(bias[:, :, :t, :t] == 0, float("-inf")),
+                             -1) @ v
+    rep = fc.explain(fn, *_qkv(2048, 2048, d=64, bh=(1, 1)), bias)
+    [d] = rep.where(pattern="attention_block_bool_mask")
+    assert d.verdict == "applied" and "53% kept, 6% partial" in d.reason

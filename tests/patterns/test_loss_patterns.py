@@ -60,3 +60,110 @@ def test_float64_stays_eager():
     torch.compile(SPELLINGS["cross_entropy_mean"], backend=be)(torch.randn(13, 77, dtype=torch.float64), _target())
     [d] = be.log.decisions
     assert d.verdict == "rejected" and "float64" in d.reason
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_label_smoothing_in_the_graph(reduction):
+    fn = lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1, reduction=reduction)  # noqa: E731
+    check_rewrite(fn, [torch.randn(13, 77), _target()], {f"cross_entropy_smoothed_{reduction}": 1})
+
+
+def test_smoothing_scalars_that_disagree_are_rejected():
+    """(1 - eps) * nll + c * smooth with c != eps / V is not a label smoothing."""
+    def fn(x, t):
+        lsm = torch.log_softmax(x, -1)
+        ignored = t == -100
+        smooth = (-lsm.sum(-1)).masked_fill(ignored, 0.0).sum() / (~ignored).sum()
+        return F.nll_loss(lsm, t) * 0.9 + smooth * 0.5
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    x, t = torch.randn(13, 77), _target()
+    out = torch.compile(fn, backend=be)(x, t)
+    d = next(d for d in be.log.decisions if d.pattern == "cross_entropy_smoothed_mean")
+    assert d.verdict == "rejected" and "not 1 - eps" in d.reason
+    torch.testing.assert_close(out, fn(x, t))
+
+
+def _lm_head_loss(h, w, labels, b=None, cap=None, reduction="mean"):
+    """HF causal-LM head + loss: 3-D hidden states, the LM head, optional soft-cap, fp32 upcast, shift."""
+    logits = F.linear(h, w, b)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    logits = logits.float()
+    labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction=reduction)
+
+
+LINEAR_CASES = {  # name: (bias, cap, reduction)
+    "linear_cross_entropy_mean": (False, None, "mean"),
+    "linear_cross_entropy_sum": (False, None, "sum"),
+    "linear_bias_cross_entropy_mean": (True, None, "mean"),
+    "linear_softcap_cross_entropy_mean": (False, 7.0, "mean"),
+    "linear_bias_softcap_cross_entropy_sum": (True, 7.0, "sum"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(LINEAR_CASES))
+def test_linear_cross_entropy_spellings(name, dtype):
+    bias, cap, reduction = LINEAR_CASES[name]
+    labels = torch.randint(0, 77, (2, 9))
+    labels[0, 3] = -100
+    args = [torch.randn(2, 9, 16).to(dtype), (torch.randn(77, 16) / 4).to(dtype), labels]
+    if bias:
+        args.append(torch.randn(77).to(dtype))
+
+    def fn(h, w, labels, b=None):
+        return _lm_head_loss(h, w, labels, b, cap, reduction)
+    check_rewrite(fn, args, {name: 1}, dtype, factor=2)
+
+
+def _lm_loss_and_logits(h, w, labels):
+    """HF's causal LM: the loss of the logits, and the logits returned too."""
+    logits = F.linear(h, w)
+    labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1)), logits
+
+
+def test_returned_logits_are_a_near_miss_that_names_the_switch():
+    fn = _lm_loss_and_logits
+    h, w = torch.randn(2, 9, 16, requires_grad=True), torch.randn(77, 16, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    torch.compile(fn, backend=be)(h, w, torch.randint(0, 77, (2, 9)))
+    d = next(d for d in be.log.decisions if d.pattern == "linear_cross_entropy_mean")
+    assert d.verdict == "near-miss" and "drop_logits=True" in d.reason
+
+
+def test_drop_logits_returns_an_empty_tensor_and_keeps_loss_and_gradients():
+    """HF returns the logits beside the loss; with drop_logits the loss and every gradient match
+    eager, the logits come back empty, and the tied weight (embedding and LM head) gets both uses'
+    gradients."""
+    emb = torch.randn(77, 16, requires_grad=True)
+
+    def fn(ids, labels, w):
+        h = torch.tanh(F.embedding(ids, w))
+        logits = F.linear(h, w)  # tied: the embedding's weight is the LM head's
+        loss = F.cross_entropy(logits.float().view(-1, 77), F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1))
+        return loss, logits
+    ids = torch.randint(0, 77, (2, 9))
+    be = fc.backend(handoff="aot_eager", cost_model="always", drop_logits=True)
+    loss, logits = torch.compile(fn, backend=be)(ids, ids, emb)
+    (grad,) = torch.autograd.grad(loss, emb)
+    w64 = emb.detach().double().requires_grad_()
+    ref_loss, ref_logits = fn(ids, ids, w64)
+    (ref_grad,) = torch.autograd.grad(ref_loss, w64)
+    assert logits.numel() == 0 and ref_logits.numel() > 0
+    assert abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+    assert (grad.double() - ref_grad).norm() / ref_grad.norm() < 1e-5
+    d = next(d for d in be.log.decisions if d.verdict == "applied")
+    assert d.pattern == "linear_cross_entropy_mean" and "returned logits dropped" in d.reason
+
+
+def test_drop_logits_keeps_the_logits_in_inference():
+    be = fc.backend(handoff="aot_eager", cost_model="always", drop_logits=True)
+    with torch.no_grad():
+        loss, logits = torch.compile(_lm_loss_and_logits, backend=be)(
+            torch.randn(2, 9, 16), torch.randn(77, 16), torch.randint(0, 77, (2, 9)))
+    assert logits.shape == (2, 9, 77)
+    d = next(d for d in be.log.decisions if d.pattern == "linear_cross_entropy_mean")
+    assert d.verdict == "near-miss" and "drop_logits=True" in d.reason
