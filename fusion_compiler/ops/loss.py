@@ -43,7 +43,9 @@ def linear_cross_entropy(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tens
                          reduction: str, label_smoothing: float, softcap: float,
                          with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dh, dw, db) for cross_entropy(softcap(h @ w^T + b), target) with reduction mean or sum;
-    the gradients (for a unit incoming gradient) are computed only with_grad, else empty."""
+    the gradients (for a unit incoming gradient) are computed only with_grad, else empty. They are
+    the op's saved state: the backward scales them in place by the incoming gradient and hands them
+    on as the input gradients (use output 0)."""
     loss, dh, dw, db = lce_kernels.linear_cross_entropy(h, w, b, target, ignore_index, reduction,
                                                         label_smoothing, softcap, with_grad)
     return loss, *(g if g is not None else h.new_empty(0) for g in (dh, dw, db))
@@ -62,14 +64,21 @@ def _lce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
+@torch.library.custom_op("fusion::scale_", mutates_args=("t",))
+def scale_(t: Tensor, s: Tensor) -> None:
+    """t *= s in place (the saved gradients of linear_cross_entropy: no second dW-sized buffer;
+    Inductor keeps the mutation in place on the saved tensor)."""
+    t.mul_(s.to(t.dtype))
+
+
 def _lce_grad(ctx, dloss, *_):
     dh, dw, db = ctx.saved_tensors
     if dh.numel() == 0 and dw.numel() == 0:
         raise RuntimeError("fusion::linear_cross_entropy ran without with_grad: no gradient to give")
     scale = dloss.float()
-    grads = [(g * scale).to(g.dtype) for g in (dh, dw)]
-    return grads[0], grads[1], ((db * scale).to(db.dtype) if ctx.with_bias else None), \
-        None, None, None, None, None, None
+    for g in (dh, dw, db) if ctx.with_bias else (dh, dw):
+        scale_(g, scale)
+    return dh, dw, (db if ctx.with_bias else None), None, None, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_lce_grad, setup_context=_lce_setup)
