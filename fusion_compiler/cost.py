@@ -32,6 +32,8 @@ class DeviceProfile:
     matmul_flops: float = 737e12  # bf16 dense, measured
     # attention kernel -> ((max key length, fraction of matmul_flops on the score tiles computed), ...)
     attention: dict = dataclasses.field(default_factory=dict)
+    # ((max vocabulary, our time over Inductor's), ...) for the chunked linear + cross-entropy
+    linear_cross_entropy: tuple = ()
 
 
 # H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
@@ -63,11 +65,20 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
             (8192, 0.979, 1.024, 0.971, 1.011)),
     "glu_packed": ((2048, 0.979, 1.024, 0.972, 0.697), (4096, 0.983, 1.02, 0.973, 0.708),
                    (8192, 0.98, 1.026, 0.971, 0.708)),
+    # width = vocabulary; 4096 rows, bf16, fwd+bwd (runs/2026-12-03-h200-loss-3.json); the forward
+    # alone was not timed: the fwd+bwd figures stand for it
+    "cross_entropy": ((32000, 0.53, 0.50, 0.53, 0.50), (128256, 0.49, 0.53, 0.49, 0.53),
+                      (1 << 30, 0.50, 0.57, 0.50, 0.57)),
 }
+# LM head + loss fused and chunked, over matmul + Inductor's loss, fwd+bwd time at 4096 rows of hidden
+# 2048, bf16, by vocabulary (runs/2026-12-03-h200-loss-3.json): slower at large vocabularies (each
+# chunk re-reads and re-writes the dW accumulator), for half the peak memory
+_LINEAR_CE_H200 = ((32000, 0.99), (128256, 1.08), (1 << 30, 1.12))
 PROFILES = {
     # the H100's attention figures are the H200's (same SMs and clocks; only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200),
-    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200),
+    "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
+                          linear_cross_entropy=_LINEAR_CE_H200),
 }
 REFERENCE = "h200"
 
@@ -96,6 +107,7 @@ class CostContext:
     profile: DeviceProfile
     baseline: str  # "inductor" | "eager"
     training: bool  # does any region input need a gradient (set per match by the engine)
+    prefer_memory: bool = False  # FusionConfig.prefer_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +119,12 @@ class Estimate:
     baseline: str
     note: str = ""
 
+    # set when a rewrite is taken for the memory it saves at a bounded time cost (prefer_memory)
+    memory_trade: bool = False
+
     @property
     def profitable(self) -> bool:
-        return self.ours_s < self.baseline_s * (1.0 - MARGIN)
+        return self.memory_trade or self.ours_s < self.baseline_s * (1.0 - MARGIN)
 
     @property
     def bytes_saved(self) -> int:
@@ -120,7 +135,8 @@ class Estimate:
         return self.baseline_s - self.ours_s
 
     def reason(self) -> str:
-        verdict = "fused kernel" if self.profitable else f"keep {self.baseline}"
+        verdict = "less memory, prefer_memory=True" if self.memory_trade else \
+            "fused kernel" if self.profitable else f"keep {self.baseline}"
         extra = f"; {self.note}" if self.note else ""
         return (f"{verdict}: est. {self.ours_s * 1e6:.1f} us vs {self.baseline} {self.baseline_s * 1e6:.1f} us"
                 f" ({self.ours_bytes / 2**20:.1f} vs {self.baseline_bytes / 2**20:.1f} MiB){extra}")
@@ -199,25 +215,29 @@ def estimate_attention(match, ctx: CostContext, kernel: str, density: float = 1.
                     f"; {flops / 1e9:.1f} GFLOP")
 
 
+MEMORY_TRADE_MAX = 1.15  # prefer_memory takes a rewrite at most this much slower than its baseline
+
+
 def estimate_linear_cross_entropy(match, ctx: CostContext) -> Estimate:
-    """The chunked LM head + loss against the matmul + fused loss Inductor emits: the same three GEMMs
-    (one without a gradient); ours moves each logit about 6 times in the logits' dtype (GEMM write,
-    two loss passes, gradient write, two GEMM reads), Inductor's fp32 loss about 8 (its backward
-    re-reads the logits for the softmax). The point is memory: the (N, V) logits, their fp32 upcast
-    and their gradient never exist whole (a chunk of at most 256 MiB does)."""
+    """The chunked LM head + loss against matmul + Inductor's fused loss: the same three GEMMs (one
+    without a gradient) and about the same logit traffic; the measured time ratio (by vocabulary)
+    decides. Its point is memory: the (N, V) logits, their fp32 upcast and their gradient never exist
+    whole (a chunk of at most 256 MiB does). Slower but smaller is taken only with prefer_memory."""
     tensors = match.tensor_inputs()
     h, w = tensors[0], tensors[1]
     n, v, hdim = h.shape[0], w.shape[0], h.shape[1]
     p = ctx.profile
-    gemms = 3 if ctx.training else 1
-    flops = 2 * n * v * hdim * gemms
+    flops = 2 * n * v * hdim * (3 if ctx.training else 1)
     logits = n * v * h.element_size()
-    ours_bytes = logits * (6 if ctx.training else 3)
     base_bytes = logits * (8 if ctx.training else 3) + (n * v * 4 if ctx.training else 0)
-    gemm_s = flops / (p.matmul_flops * 0.8)
-    ours_s = gemm_s + ours_bytes / (p.bandwidth * p.default_efficiency)
-    base_s = gemm_s + base_bytes / (p.bandwidth * p.default_efficiency)
-    saved = logits * 2 + n * v * 4 if ctx.training else logits
-    return Estimate(ours_s, base_s, ours_bytes, base_bytes, ctx.baseline,
-                    f"not timed on {p.name}; logits {n}x{v} never materialized: ~{saved / 2**30:.2f} GiB less "
-                    f"peak memory; {flops / 1e12:.2f} TFLOP of GEMMs either way")
+    base_s = flops / (p.matmul_flops * 0.8) + base_bytes / (p.bandwidth * p.default_efficiency)
+    if p.linear_cross_entropy and ctx.training:
+        ratio = next((r for top, r in p.linear_cross_entropy if v <= top), p.linear_cross_entropy[-1][1])
+        source = f"fwd+bwd measured on {p.name}"
+    else:
+        ratio, source = 1.0, f"not timed on {p.name}: assumed equal"
+    saved = (logits * 2 + n * v * 4) if ctx.training else logits
+    trade = ctx.prefer_memory and ratio <= MEMORY_TRADE_MAX and ratio >= 1.0 - MARGIN
+    return Estimate(base_s * ratio, base_s, logits, logits + saved, ctx.baseline,
+                    f"{source}: x{ratio:.2f} time; logits {n}x{v} never materialized: ~{saved / 2**30:.2f} GiB "
+                    f"less peak memory; {flops / 1e12:.2f} TFLOP of GEMMs either way", memory_trade=trade)

@@ -272,3 +272,16 @@ def test_nanogpt_buffer_tiles_come_from_the_first_calls_buffer():
     rep = fc.explain(fn, *_qkv(2048, 2048, d=64, bh=(1, 1)), bias)
     [d] = rep.where(pattern="attention_block_bool_mask")
     assert d.verdict == "applied" and "53% kept, 6% partial" in d.reason
+
+
+@pytest.mark.parametrize("spelling", ["repeat_interleave", "expand_reshape"])
+def test_gqa_repeats_bind_k_and_v_after_the_repeat(spelling):
+    def fn(q, k, v):  # 4 query heads share 2 kv heads
+        if spelling == "repeat_interleave":
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        else:
+            k = k[:, :, None].expand(2, 2, 2, 11, 16).reshape(2, 4, 11, 16)
+            v = v[:, :, None].expand(2, 2, 2, 11, 16).reshape(2, 4, 11, 16)
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    q, k, v = torch.randn(2, 4, 11, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    check_rewrite(fn, [q, k, v], {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
