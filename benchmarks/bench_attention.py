@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusion_compiler as fc
-from common import bench_gpu_ms, env, save, table
+from common import env, save, table, time_and_peak
 
 WINDOW = 256  # sliding-window span (keys i - WINDOW < j <= i)
 CAP = 30.0  # logit soft-cap (Gemma 2 uses 50 for attention; the anchors measured 30)
@@ -130,16 +130,7 @@ def _measure(name, impl, f, q, k, v, g, ref_out, ref_grads, flops):
     if DEV == "cpu":
         return row
 
-    def step():
-        torch.autograd.grad(f(q, k, v), (q, k, v), g)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = bench_gpu_ms(step, iters=10)
+    ms, peak = time_and_peak(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), g))
     row.update(fwdbwd_ms=round(ms, 3), TFLOPs=round(flops / ms / 1e9), extra_peak_GiB=round(peak, 3))
     return row
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from common import bench_gpu_ms, env, save, table
+from common import env, save, table, time_and_peak
 
 
 def linear_ce(h, w, t):
@@ -33,19 +33,6 @@ def _liger():
         return None
     flce, lce = LigerFusedLinearCrossEntropyLoss(ignore_index=-100), LigerCrossEntropyLoss(ignore_index=-100)
     return {"linear_ce": lambda h, w, t: flce(w, h, t), "ce": lambda x, t: lce(x, t)}
-
-
-def _measure(f, args, leaves):
-    def step():
-        torch.autograd.grad(f(*args), leaves)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return bench_gpu_ms(step, iters=10), peak
 
 
 def run(vocabs, tokens, hidden):
@@ -76,7 +63,7 @@ def run(vocabs, tokens, hidden):
                 row = dict(case=case, vocab=v, tokens=tokens, impl=impl, loss_diff=f"{abs(loss.item() - ref_loss.item()):.1e}",
                            grad_err=f"{err:.1e}")
                 del loss, grads
-                ms, peak = _measure(f, args, leaves)
+                ms, peak = time_and_peak(lambda: torch.autograd.grad(f(*args), leaves))
                 row.update(fwdbwd_ms=round(ms, 3), peak_GiB=round(peak, 3))
                 if impl == "fusion":
                     row["fused_as"] = ",".join(d.pattern for d in be.log.decisions if d.verdict == "applied") or "-"

@@ -46,6 +46,18 @@ def bench_gpu_ms(fn, iters=20) -> float:
     return total_us / iters / 1e3
 
 
+def time_and_peak(step, iters=10) -> tuple[float, float]:
+    """(GPU ms per call, GiB allocated during one call above what was allocated before it)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return bench_gpu_ms(step, iters=iters), peak
+
+
 def save(name: str, payload: dict) -> None:
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, name), "w") as f:
