@@ -14,6 +14,7 @@ from torch._decomp import get_decompositions  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch._guards import detect_fake_mode, tracing  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: E402
 from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 
@@ -24,6 +25,7 @@ CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
 __all__ = [
     "CANONICAL_DECOMPOSITIONS",
+    "CustomGraphPass",
     "FakeTensor",
     "FakeTensorMode",
     "HigherOrderOperator",
@@ -31,5 +33,6 @@ __all__ = [
     "aot_eager",
     "compile_fx",
     "detect_fake_mode",
+    "get_hash_for_files",
     "tracing",
 ]

@@ -9,7 +9,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from . import _compat, engine
+from . import _compat, engine, overlap
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
@@ -25,6 +25,7 @@ class FusionBackend:
         self.log = DecisionLog()
         self.graphs = 0
         self.rewritten: list[fx.GraphModule] = []  # the canonical ATen graphs handed off, after rewriting
+        self.overlap: overlap.OverlapPass | None = None  # the last collective scheduling pass (its .graphs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gid = self.graphs
@@ -45,7 +46,7 @@ class FusionBackend:
             self.rewritten.append(aten_gm)
         except Unsupported as e:
             self._fallback(gid, str(e))
-            return self._handoff(gm, example_inputs)
+            return self._handoff(gm, example_inputs, gid)
         except ConfigError:
             raise  # unknown pattern or family names: the user's to fix
         except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
@@ -53,7 +54,7 @@ class FusionBackend:
                                 f"{traceback.format_exc(limit=4)}")
             return self._handoff(gm, example_inputs)
         try:
-            return self._handoff(aten_gm, example_inputs)
+            return self._handoff(aten_gm, example_inputs, gid)
         except Exception as e:  # noqa: BLE001  (the rewritten graph failed to compile: undo, say why)
             self._fallback(gid, f"{self.config.handoff} failed on the rewritten graph, compiled the original "
                                 f"instead: {type(e).__name__}: {str(e)[:300]}")
@@ -62,8 +63,15 @@ class FusionBackend:
     def _fallback(self, gid: int, reason: str) -> None:
         self.log.add(Decision(gid, "-", "-", "fallback", reason, "", ()))
 
-    def _handoff(self, gm: fx.GraphModule, example_inputs):
+    def _handoff(self, gm: fx.GraphModule, example_inputs, gid: int = -1):
         if self.config.handoff == "inductor":
+            dist = torch.distributed
+            if self.config.overlap_collectives and dist.is_available() and dist.is_initialized():
+                # post-grad pass, forward and backward (config_patches reach the lazily compiled backward)
+                self.overlap = overlap.OverlapPass(self.log, gid, self.config.overlap_memory_budget,
+                                                   chunks=self.config.overlap_chunks)
+                return _compat.compile_fx(gm, example_inputs,
+                                          config_patches={"post_grad_custom_post_pass": self.overlap})
             return _compat.compile_fx(gm, example_inputs)
         if self.config.handoff == "aot_eager":
             return _compat.aot_eager(gm, example_inputs)

@@ -109,10 +109,17 @@ def _is_dynamic(t) -> bool:
     return False
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 def check_traceable(gm: fx.GraphModule, example_inputs) -> None:
     """Raise Unsupported for graphs we do not re-trace (the reason goes to the decision log)."""
     if any(_is_dynamic(t) for t in example_inputs):
         raise Unsupported("dynamic shapes: the graph has symbolic sizes (mark_static or dynamic=False to fuse)")
+    subclasses = sorted({type(t).__name__ for t in example_inputs if isinstance(t, torch.Tensor)
+                         and not isinstance(t, _compat.FakeTensor) and type(t) not in _PLAIN})
+    if subclasses:
+        raise Unsupported(f"tensor subclass inputs ({', '.join(subclasses)}): the graph is handed off as it is")
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, _compat.HigherOrderOperator):
             raise Unsupported(f"higher-order op {node.target.name()} in the graph")

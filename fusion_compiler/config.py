@@ -41,6 +41,12 @@ class FusionConfig:
         their region (the chunked LM head + loss at large vocabularies: about half the memory of
         Inductor's, 8-12% slower at 128K-256K). Off by default: do no harm to speed.
     HF causal LMs, for the memory of the LM head + loss: FusionConfig(drop_logits=True, prefer_memory=True).
+    overlap_collectives: with the Inductor hand-off, schedule functional collectives (all-gather,
+        reduce-scatter, all-reduce, all-to-all) to overlap with compute: overlap.py, a post-grad pass.
+    overlap_memory_budget: bytes of estimated live memory a collective issued early may not exceed
+        (None: no limit); past it, the collective keeps its place.
+    overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
+        overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
     """
     families: Optional[frozenset] = None
     patterns: Optional[frozenset] = None
@@ -53,6 +59,9 @@ class FusionConfig:
     verify_kernels: bool = True
     drop_logits: bool = False
     prefer_memory: bool = False
+    overlap_collectives: bool = True
+    overlap_memory_budget: Optional[float] = None
+    overlap_chunks: Optional[int] = None
 
     def __post_init__(self):
         for name in ("families", "patterns"):

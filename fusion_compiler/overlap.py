@@ -1,0 +1,303 @@
+"""Collective-overlap scheduling: a post-grad pass that issues each collective early and waits late.
+
+In the post-grad graph Inductor hands its custom passes, functional collectives appear as
+`_c10d_functional.<collective>` (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, its
+in-place all_reduce_ (DTensor), all_to_all_single) followed by `wait_tensor` on the result. Communication between the two runs
+while the device computes, so compute placed between them hides it. The pass re-orders the graph
+by list scheduling:
+  1. a collective is issued as soon as its inputs are computed, and what it needs is computed
+     first (unless that would raise the estimated live memory above the budget: then both keep
+     their original places);
+  2. otherwise the earliest (original order) ready compute node runs;
+  3. a wait runs only when nothing else can: right before the first node that needs it.
+Every collective gets a decision row: how many nodes moved, the communication estimate (bytes over
+the link bandwidth), the compute placed between issue and wait (FLOPs at the matmul rate, bytes at
+the memory bandwidth) and the exposed time before and after.
+"""
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+from . import _compat
+from .decisions import Decision, location
+
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "all_to_all_single")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProfile:
+    """What the estimate assumes: per-rank link bandwidth, matmul rate, memory bandwidth."""
+    name: str
+    link_bytes_s: float
+    matmul_flops: float
+    memory_bytes_s: float
+
+
+# H100 SXM: NVLink 4 (~450 GB/s per direction usable for ring collectives), bf16 dense, HBM3 copy
+H100_NVLINK = LinkProfile("h100-nvlink", 450e9, 737e12, 3.0e12)
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and "_c10d_functional" in str(node.target) and _name(node) in COLLECTIVES
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and "_c10d_functional" in str(node.target) and _name(node) == "wait_tensor"
+
+
+def _bytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+
+
+def comm_seconds(node: fx.Node, world: int, link: LinkProfile) -> float:
+    """Ring estimate: all-gather / reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce
+    twice that, all-to-all (n-1)/n of its input."""
+    full = max(_bytes(node), sum(_bytes(a) for a in node.all_input_nodes))
+    factor = (world - 1) / world * (2 if _name(node).startswith("all_reduce") else 1)
+    return full * factor / link.link_bytes_s
+
+
+def compute_seconds(node: fx.Node, link: LinkProfile) -> float:
+    """A node's time alone: matmul FLOPs at the matmul rate, else bytes in and out at the bandwidth."""
+    if node.op != "call_function" or is_collective(node) or is_wait(node):
+        return 0.0
+    if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        a, b = node.args[-2].meta.get("val"), node.args[-1].meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return 2 * a.numel() * b.shape[-1] / link.matmul_flops
+    moved = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes)
+    return moved / link.memory_bytes_s
+
+
+def _world() -> int:
+    """Ranks of the default group (the estimate's ring size)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
+
+
+def _symbolic(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
+def _waits(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if is_wait(u)]
+
+
+def _ancestors(nodes: list[fx.Node]) -> set:
+    seen, stack = set(), [a for n in nodes for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n not in seen and n.op == "call_function":
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _mutation_order(body: list[fx.Node], index: dict) -> dict:
+    """Dependencies no data edge shows: an op that writes into an argument (all_reduce_, copy_) stays
+    after that argument's earlier readers and before its later ones."""
+    extra: dict = {}
+    for n in body:
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, a in zip(schema.arguments, n.args):
+            if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(a, fx.Node):
+                continue
+            for u in a.users:
+                if u is n or u not in index:
+                    continue
+                if index[u] < index[n]:
+                    extra.setdefault(n, set()).add(u)
+                else:
+                    extra.setdefault(u, set()).add(n)
+    return extra
+
+
+def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
+    """The new order of the graph's call_function nodes (placeholders and get_attrs stay first, the
+    output last)."""
+    body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    index = {n: i for i, n in enumerate(body)}
+    pending = set(body)
+    extra = _mutation_order(body, index)
+    done = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    remaining_uses = {n: len(n.users) for n in graph.nodes}
+    live = sum(_bytes(n) for n in done)
+    order = []
+
+    def ready(n):
+        return all(a in done for a in n.all_input_nodes) and extra.get(n, set()) <= done
+
+    def run(n):
+        nonlocal live
+        order.append(n)
+        done.add(n)
+        pending.discard(n)
+        live += _bytes(n)
+        for a in n.all_input_nodes:
+            remaining_uses[a] -= 1
+            if remaining_uses[a] == 0 and a.op != "placeholder":
+                live -= _bytes(a)
+
+    feeds = _ancestors([n for n in body if is_collective(n)])
+    while pending:
+        candidates = sorted((n for n in pending if ready(n)), key=index.get)
+        early = [n for n in candidates if (is_collective(n) or n in feeds) and live + _bytes(n) <= budget_bytes]
+        compute = [n for n in candidates if not is_wait(n)]
+        if early:  # collectives first, then what they wait on
+            run(next((n for n in early if is_collective(n)), early[0]))
+        elif compute:
+            run(compute[0])
+        else:
+            run(candidates[0])  # only waits are ready: the earliest one
+    return order
+
+
+def apply_order(graph: fx.Graph, order: list[fx.Node]) -> None:
+    output = next(n for n in graph.nodes if n.op == "output")
+    for n in order:  # each moves to just before the output: the body ends up in `order`
+        output.prepend(n)
+    graph.lint()
+
+
+def exposed(order: list[fx.Node], link: LinkProfile) -> dict:
+    """Per collective: (comm seconds, compute seconds between issue and first wait)."""
+    pos = {n: i for i, n in enumerate(order)}
+    result = {}
+    for n in order:
+        if not is_collective(n):
+            continue
+        waits = _waits(n)
+        end = min((pos[w] for w in waits if w in pos), default=pos[n] + 1)
+        between = sum(compute_seconds(m, link) for m in order[pos[n] + 1:end])
+        result[n] = (comm_seconds(n, _world(), link), between)
+    return result
+
+
+class OverlapPass(_compat.CustomGraphPass):
+    """Inductor post-grad custom pass (torch._inductor.config.post_grad_custom_post_pass)."""
+
+    def __init__(self, log, graph_id: int, budget_bytes: float | None = None, link: LinkProfile = H100_NVLINK,
+                 chunks: int | None = None):
+        self.log, self.graph_id, self.link, self.chunks = log, graph_id, link, chunks
+        self.budget = math.inf if budget_bytes is None else budget_bytes
+        self.graphs: list[fx.Graph] = []  # the scheduled graphs (tests read them)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if not any(is_collective(n) for n in graph.nodes):
+            return
+        if any(_symbolic(n) for n in graph.nodes):
+            self.log.add(Decision(self.graph_id, "overlap", "collectives", "rejected",
+                                  "dynamic shapes: collectives left in place", "", ()))
+            return
+        if self.chunks != 1:
+            for name, k, gain in decompose_all_gather_matmul(graph, self.link, self.chunks):
+                self.log.add(Decision(
+                    self.graph_id, "decompose_all_gather_matmul", "collectives", "applied",
+                    f"{name} + matmul in {k} chunks (chunk i's all-gather overlaps chunk i-1's matmul); "
+                    f"est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel="all_gather_into_tensor"))
+        body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        before = exposed(body, self.link)
+        order = schedule(graph, self.budget)
+        apply_order(graph, order)
+        after = exposed(order, self.link)
+        old, new = {n: i for i, n in enumerate(body)}, {n: i for i, n in enumerate(order)}
+        for n, (comm, hidden) in after.items():
+            was = max(0.0, comm - before[n][1])
+            now = max(0.0, comm - hidden)
+            waits = _waits(n)
+            moved_wait = (new[waits[0]] - old[waits[0]]) if waits else 0
+            self.log.add(Decision(
+                graph=self.graph_id, pattern=f"overlap_{_name(n)}", family="collectives",
+                verdict="applied" if now < was or new[n] != old[n] or moved_wait else "rejected",
+                reason=(f"issued {old[n] - new[n]} nodes earlier, wait {moved_wait} later; est. comm "
+                        f"{comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us ({self.link.name})"),
+                location=location(n), inputs=(f"{_bytes(n)} B",),
+                time_saved_us=round((was - now) * 1e6, 2), kernel=_name(n)))
+        self.graphs.append(graph)
+
+    def uuid(self):
+        # Inductor's cache key: this file's code and the settings (a cache hit skips the pass, and
+        # reuses the order it produced then; its decision rows are those of the compiling run)
+        return (_compat.get_hash_for_files((__file__,)), self.budget, dataclasses.astuple(self.link), self.chunks)
+
+
+# --- decomposition: all-gather -> matmul, and matmul -> reduce-scatter, in chunks ---------------------
+def _fake_call(target, args):
+    """Call target on the fake values of args (fx nodes) to get the new node's meta['val']."""
+    def fake(a):
+        if isinstance(a, (list, tuple)):
+            return [fake(b) for b in a]
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+    vals = [fake(a) for a in args]
+    flat = [v for a in vals for v in (a if isinstance(a, list) else [a])]
+    mode = next(v.fake_mode for v in flat if isinstance(v, torch.Tensor))
+    with mode:
+        return target(*vals)
+
+
+def _emit(graph: fx.Graph, target, *args) -> fx.Node:
+    node = graph.call_function(target, tuple(args))
+    node.meta["val"] = _fake_call(target, args)
+    return node
+
+
+def chunk_gain(comm_s: float, compute_s: float, chunks: int, launch_s: float = 5e-6) -> float:
+    """Seconds saved by k chunks: serial comm + compute becomes one chunk's comm + the slower of the
+    two for the rest (the pipeline), paying k - 1 more launches of each."""
+    serial = comm_s + compute_s
+    pipelined = comm_s / chunks + max(comm_s, compute_s) * (chunks - 1) / chunks + compute_s / chunks
+    return serial - pipelined - 2 * (chunks - 1) * launch_s
+
+
+def _choose_chunks(comm_s: float, compute_s: float, forced: int | None) -> int:
+    if forced is not None:
+        return forced
+    best = max((2, 4, 8), key=lambda k: chunk_gain(comm_s, compute_s, k))
+    return best if chunk_gain(comm_s, compute_s, best) > 0 else 1
+
+
+def decompose_all_gather_matmul(graph: fx.Graph, link: LinkProfile, forced: int | None = None) -> list[tuple]:
+    """mm(wait(all_gather(x)), B) -> per chunk of x's rows: all_gather, wait, mm; the gathered rows are
+    (rank, chunk, row), so the results are re-interleaved into (rank, row) order. Returns
+    (all_gather node name, chunks, est. seconds saved) per rewrite."""
+    c10d = torch.ops._c10d_functional
+    done = []
+    for ag in [n for n in graph.nodes if is_collective(n) and _name(n) == "all_gather_into_tensor"]:
+        waits = _waits(ag)
+        if len(waits) != 1 or len(waits[0].users) != 1:
+            continue
+        wait, (mm,) = waits[0], list(waits[0].users)
+        x, group_size, group_name = ag.args[:3]
+        if mm.target is not torch.ops.aten.mm.default or mm.args[0] is not wait or x.meta["val"].dim() != 2:
+            continue
+        rows = x.meta["val"].shape[0]
+        comm, compute = comm_seconds(ag, group_size, link), compute_seconds(mm, link)
+        k = _choose_chunks(comm, compute, forced)
+        if k <= 1 or rows % k:
+            continue
+        with graph.inserting_before(mm):
+            parts = []
+            for i in range(k):
+                piece = _emit(graph, torch.ops.aten.slice.Tensor, x, 0, i * rows // k, (i + 1) * rows // k)
+                gathered = _emit(graph, c10d.all_gather_into_tensor.default, piece, group_size, group_name)
+                ready = _emit(graph, c10d.wait_tensor.default, gathered)
+                out = _emit(graph, torch.ops.aten.mm.default, ready, mm.args[1])
+                parts.append(_emit(graph, torch.ops.aten.view.default, out, [group_size, rows // k, -1]))
+            joined = _emit(graph, torch.ops.aten.cat.default, parts, 1)
+            result = _emit(graph, torch.ops.aten.view.default, joined, list(mm.meta["val"].shape))
+        mm.replace_all_uses_with(result)
+        for n in (mm, wait, ag):
+            graph.erase_node(n)
+        done.append((ag.name, k, chunk_gain(comm, compute, k)))
+    return done
