@@ -10,6 +10,9 @@ by list scheduling:
      their original places);
   2. otherwise the earliest (original order) ready compute node runs;
   3. a wait runs only when nothing else can: right before the first node that needs it.
+Before scheduling, all-gather -> matmul and matmul -> all-reduce / reduce-scatter (tensor and
+sequence parallel layers) are split into chunks when the cost model says the pipeline pays, so
+that one chunk's communication overlaps the next chunk's matmul (micro-pipelining).
 Every collective gets a decision row: how many nodes moved, the communication estimate (bytes over
 the link bandwidth), the compute placed between issue and wait (FLOPs at the matmul rate, bytes at
 the memory bandwidth) and the exposed time before and after.
@@ -92,6 +95,9 @@ def _waits(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if is_wait(u)]
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+
+
 def _ancestors(nodes: list[fx.Node]) -> set:
     seen, stack = set(), [a for n in nodes for a in n.all_input_nodes]
     while stack:
@@ -152,7 +158,8 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
     feeds = _ancestors([n for n in body if is_collective(n)])
     while pending:
         candidates = sorted((n for n in pending if ready(n)), key=index.get)
-        early = [n for n in candidates if (is_collective(n) or n in feeds) and live + _bytes(n) <= budget_bytes]
+        early = [n for n in candidates if (is_collective(n) or n in feeds and not is_wait(n))
+                 and live + _bytes(n) <= budget_bytes]
         compute = [n for n in candidates if not is_wait(n)]
         if early:  # collectives first, then what they wait on
             run(next((n for n in early if is_collective(n)), early[0]))
@@ -192,6 +199,7 @@ class OverlapPass(_compat.CustomGraphPass):
         self.log, self.graph_id, self.link, self.chunks = log, graph_id, link, chunks
         self.budget = math.inf if budget_bytes is None else budget_bytes
         self.graphs: list[fx.Graph] = []  # the scheduled graphs (tests read them)
+        self.estimates: list[tuple[str, float, float, float]] = []  # (collective, comm s, exposed before, after)
 
     def __call__(self, graph: fx.Graph) -> None:
         if not any(is_collective(n) for n in graph.nodes):
@@ -200,27 +208,34 @@ class OverlapPass(_compat.CustomGraphPass):
             self.log.add(Decision(self.graph_id, "overlap", "collectives", "rejected",
                                   "dynamic shapes: collectives left in place", "", ()))
             return
+        body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        before = exposed(body, self.link)
         if self.chunks != 1:
             for name, k, gain in decompose_all_gather_matmul(graph, self.link, self.chunks):
                 self.log.add(Decision(
                     self.graph_id, "decompose_all_gather_matmul", "collectives", "applied",
                     f"{name} + matmul in {k} chunks (chunk i's all-gather overlaps chunk i-1's matmul); "
                     f"est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel="all_gather_into_tensor"))
-        body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        before = exposed(body, self.link)
+            for name, k, gain in decompose_matmul_reduce(graph, self.link, self.chunks):
+                self.log.add(Decision(
+                    self.graph_id, "decompose_matmul_reduce", "collectives", "applied",
+                    f"matmul + {name} in {k} column chunks (chunk j's collective overlaps chunk j+1's "
+                    f"matmul); est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel=name))
+            body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         order = schedule(graph, self.budget)
         apply_order(graph, order)
         after = exposed(order, self.link)
         old, new = {n: i for i, n in enumerate(body)}, {n: i for i, n in enumerate(order)}
         for n, (comm, hidden) in after.items():
-            was = max(0.0, comm - before[n][1])
+            was = max(0.0, comm - before[n][1]) if n in before else comm  # a new chunk: was serial
             now = max(0.0, comm - hidden)
+            self.estimates.append((_name(n), comm, was, now))
             waits = _waits(n)
-            moved_wait = (new[waits[0]] - old[waits[0]]) if waits else 0
+            moved_wait = (new[waits[0]] - old[waits[0]]) if waits and waits[0] in old else 0
             self.log.add(Decision(
                 graph=self.graph_id, pattern=f"overlap_{_name(n)}", family="collectives",
-                verdict="applied" if now < was or new[n] != old[n] or moved_wait else "rejected",
-                reason=(f"issued {old[n] - new[n]} nodes earlier, wait {moved_wait} later; est. comm "
+                verdict="applied" if now < was or new[n] != old.get(n, new[n]) or moved_wait else "rejected",
+                reason=(f"issued {old.get(n, new[n]) - new[n]} nodes earlier, wait {moved_wait} later; est. comm "
                         f"{comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us ({self.link.name})"),
                 location=location(n), inputs=(f"{_bytes(n)} B",),
                 time_saved_us=round((was - now) * 1e6, 2), kernel=_name(n)))
@@ -232,7 +247,7 @@ class OverlapPass(_compat.CustomGraphPass):
         return (_compat.get_hash_for_files((__file__,)), self.budget, dataclasses.astuple(self.link), self.chunks)
 
 
-# --- decomposition: all-gather -> matmul, and matmul -> reduce-scatter, in chunks ---------------------
+# --- decomposition: all-gather -> matmul, and matmul -> all-reduce / reduce-scatter, in chunks ---------
 def _fake_call(target, args):
     """Call target on the fake values of args (fx nodes) to get the new node's meta['val']."""
     def fake(a):
@@ -300,4 +315,46 @@ def decompose_all_gather_matmul(graph: fx.Graph, link: LinkProfile, forced: int 
         for n in (mm, wait, ag):
             graph.erase_node(n)
         done.append((ag.name, k, chunk_gain(comm, compute, k)))
+    return done
+
+
+def decompose_matmul_reduce(graph: fx.Graph, link: LinkProfile, forced: int | None = None) -> list[tuple]:
+    """wait(all_reduce | reduce_scatter(mm(A, B))) -> per chunk of B's columns: mm, the collective,
+    wait; then the chunks joined along the columns (a reduce-scatter scatters rows, so each rank's
+    rows of every chunk line up). Chunk j's collective overlaps chunk j+1's matmul. Returns
+    (collective node name, chunks, est. seconds saved) per rewrite."""
+    c10d = torch.ops._c10d_functional
+    done = []
+    for coll in [n for n in graph.nodes if is_collective(n) and _name(n) in ("all_reduce", "all_reduce_",
+                                                                            "reduce_scatter_tensor")]:
+        src, waits = coll.args[0], _waits(coll)
+        # DTensor's rowwise linear reduces the matmul's output viewed back to (batch, seq, N)
+        viewed = isinstance(src, fx.Node) and src.target in _VIEWS and len(src.users) == 1
+        mm = src.args[0] if viewed else src
+        if not (isinstance(mm, fx.Node) and mm.target is torch.ops.aten.mm.default and len(mm.users) == 1
+                and len(waits) == 1 and len(coll.users) == 1):
+            continue
+        cols = mm.meta["val"].shape[1]
+        shape = list(src.meta["val"].shape)
+        if viewed and shape[-1] != cols:
+            continue
+        comm, compute = comm_seconds(coll, _world(), link), compute_seconds(mm, link)
+        k = _choose_chunks(comm, compute, forced)
+        if k <= 1 or cols % k:
+            continue
+        a, b = mm.args
+        with graph.inserting_before(waits[0]):
+            parts = []
+            for j in range(k):
+                bj = _emit(graph, torch.ops.aten.slice.Tensor, b, 1, j * cols // k, (j + 1) * cols // k)
+                yj = _emit(graph, torch.ops.aten.mm.default, a, bj)
+                if viewed:
+                    yj = _emit(graph, torch.ops.aten.view.default, yj, shape[:-1] + [cols // k])
+                cj = _emit(graph, coll.target, yj, *coll.args[1:])
+                parts.append(_emit(graph, c10d.wait_tensor.default, cj))
+            result = _emit(graph, torch.ops.aten.cat.default, parts, -1)
+        waits[0].replace_all_uses_with(result)
+        for n in (waits[0], coll, *([src] if viewed else []), mm):
+            graph.erase_node(n)
+        done.append((coll.name, k, chunk_gain(comm, compute, k)))
     return done
