@@ -12,6 +12,7 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     slice bounds clamped                           slice(x, -1, 0, 2**63-1) -> slice(x, -1, 0, size)
     x * x -> x ** 2;  1 / sqrt(v), reciprocal(sqrt(v)) -> rsqrt(v);  a / sqrt(v) -> a * rsqrt(v)
     x * sigmoid(x) -> silu(x)
+    where(keep, x, c) -> x.masked_fill(~keep, c)    (a scalar c: torch.where spelling of a mask)
     einsum as matmul                               einsum("bhqd,bhkd->bhqk", q, k) -> q @ k^T
     casts, scalar pointwise ops after views        view(x.float()) -> view(x).float(); view(x / c) -> view(x) / c
     view chains collapsed                          view(view(x, s1), s2) -> view(x, s2); to x's shape -> x
@@ -403,6 +404,26 @@ def _collapse_view(graph: fx.Graph, node: fx.Node) -> None:
         node.args = (src, *node.args[1:])
 
 
+def _where_as_masked_fill(graph: fx.Graph, node: fx.Node) -> None:
+    """where(keep, x, c) -> x.masked_fill(~keep, c) and where(masked, c, x) -> x.masked_fill(masked, c)
+    for a constant c (torch.where spells a mask with a scalar as a 0-d scalar_tensor)."""
+    if node.target is not aten.where.self:
+        return
+    cond, a, b = node.args
+    for x, c, negate in ((a, b, True), (b, a, False)):
+        if _is_call(c, aten.scalar_tensor.default) and isinstance(x, fx.Node) and val(x) is not None \
+                and val(node) is not None and val(x).dtype == val(node).dtype and val(x).shape == val(node).shape:
+            masked = cond
+            with graph.inserting_before(node):
+                if negate:
+                    masked = graph.call_function(aten.bitwise_not.default, (cond,))
+                    masked.meta = dict(cond.meta, val=~val(cond)) if val(cond) is not None else dict(cond.meta)
+                fill = graph.call_function(aten.masked_fill.Scalar, (x, masked, c.args[0]))
+            fill.meta = dict(node.meta)
+            node.replace_all_uses_with(fill)
+            return
+
+
 def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
@@ -421,6 +442,7 @@ def canonicalize(graph: fx.Graph) -> None:
         elif node.target is aten.cat.default:
             _cat_dims(node)
         _algebra(graph, node)
+        _where_as_masked_fill(graph, node)
     graph.eliminate_dead_code()  # make_fx's unused detach nodes would count as users below
     for node in list(graph.nodes):
         if node.op == "call_function":

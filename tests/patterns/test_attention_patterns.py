@@ -285,3 +285,20 @@ def test_gqa_repeats_bind_k_and_v_after_the_repeat(spelling):
         return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
     q, k, v = torch.randn(2, 4, 11, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
     check_rewrite(fn, [q, k, v], {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+
+
+def test_causal_by_where_and_tril_becomes_is_causal():
+    """torch.where(tril(ones) keep-mask, scores, -inf): a constant causal mask, so flash's is_causal."""
+    def fn(q, k, v):
+        n = q.size(-2)
+        keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device))
+        return torch.softmax(torch.where(keep, q @ k.transpose(-2, -1) * 0.25, float("-inf")), -1) @ v
+    check_rewrite(fn, _qkv(), {"attention_causal_bool_mask": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+
+
+def test_where_with_the_fill_first_is_a_bool_mask():
+    def fn(q, k, v, masked):
+        return torch.softmax(torch.where(masked, float("-inf"), q @ k.transpose(-2, -1) * 0.25), -1) @ v
+    masked = torch.rand(2, 1, 13, 13) > 0.7
+    masked[..., 0] = False  # no fully masked row
+    check_rewrite(fn, [*_qkv(), masked], {"attention_bool_mask": 1}, config=fc.FusionConfig(handoff="aot_eager"))
