@@ -2,6 +2,8 @@
 write by hand (SDPA, or FlexAttention for what SDPA cannot express).
 
     python benchmarks/bench_attention.py [--seq 512 2048 8192] [--spellings ...] [--device cpu]
+Spellings: causal triu, HF eager, no mask, nanoGPT buffer, soft-cap, sliding window, einsum, bmm on
+flattened heads, torch.where + tril, ALiBi (dropout is not timed: its output is random).
 B4 H16 D128 bf16 at S <= 2048 (the anchors' shape at 2048), 8192 // S sequences beyond. GPU time
 (profiler kernel sum) and the peak memory of one fwd+bwd above the inputs; every implementation's
 output is checked against the reference first (rel_err), and its q/k/v gradients too (grad_err).
@@ -41,6 +43,37 @@ def hf_eager(q, k, v):
 
 def no_mask(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, -1) @ v
+
+
+def einsum_causal(q, k, v):
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.size(-1))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s.masked_fill(_causal_masked(q.size(-2), q.device),
+                                                                        float("-inf")), -1), v)
+
+
+def bmm_flat_causal(q, k, v):
+    b, h, n, d = q.shape
+    qf, kf, vf = (t.reshape(b * h, n, d) for t in (q, k, v))
+    s = (torch.bmm(qf, kf.transpose(1, 2)) * d ** -0.5).masked_fill(_causal_masked(n, q.device), float("-inf"))
+    return torch.bmm(torch.softmax(s, -1), vf).view(b, h, n, d)
+
+
+def where_tril_causal(q, k, v):
+    keep = torch.tril(torch.ones(q.size(-2), q.size(-2), dtype=torch.bool, device=q.device))
+    return torch.softmax(torch.where(keep, q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), float("-inf")), -1) @ v
+
+
+def _alibi(n, heads, device):
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+    i = torch.arange(n, device=device)
+    bias = -(i[:, None] - i[None, :]).clamp(min=0).float() * slopes[:, None, None]
+    return bias.masked_fill(i[None, :] > i[:, None], float("-inf"))[None]
+
+
+def alibi_causal(q, k, v):
+    """ALiBi: a per-head linear bias plus causality, built in the graph (an additive mask for SDPA)."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + _alibi(q.size(-2), q.size(1), q.device).to(q.dtype)
+    return torch.softmax(s, -1) @ v
 
 
 _BUFFERS = {}
@@ -112,6 +145,11 @@ SPELLINGS = {
     "nanogpt_buffer": (nanogpt_buffer, "sdpa", _sdpa(True), 0.5),
     "softcap_causal": (softcap_causal, "flex", _flex_ref(_causal, _softcap), 0.5),
     "sliding_window": (sliding_window, "flex", _flex_ref(_window), None),
+    "einsum_causal": (einsum_causal, "sdpa", _sdpa(True), 0.5),
+    "bmm_flat_causal": (bmm_flat_causal, "sdpa", _sdpa(True), 0.5),
+    "where_tril_causal": (where_tril_causal, "sdpa", _sdpa(True), 0.5),
+    "alibi_causal": (alibi_causal, "sdpa_alibi", lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_alibi(q.size(-2), q.size(1), q.device).to(q.dtype)), 1.0),
 }
 
 DEV = "cuda"
