@@ -14,6 +14,7 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
     x * sigmoid(x) -> silu(x)
     where(keep, x, c) -> x.masked_fill(~keep, c)    (a scalar c: torch.where spelling of a mask)
     einsum as matmul                               einsum("bhqd,bhkd->bhqk", q, k) -> q @ k^T
+    a scalar factor after the matmul               (q * c) @ k^T -> (q @ k^T) * c
     casts, scalar pointwise ops after views        view(x.float()) -> view(x).float(); view(x / c) -> view(x) / c
     view chains collapsed                          view(view(x, s1), s2) -> view(x, s2); to x's shape -> x
     matmul re-composed                             the expand/clone/view -> bmm -> view chain that
@@ -424,6 +425,22 @@ def _where_as_masked_fill(graph: fx.Graph, node: fx.Node) -> None:
             return
 
 
+def _scale_after_matmul(graph: fx.Graph, node: fx.Node) -> None:
+    """matmul(x * c, y) -> matmul(x, y) * c for a Python scalar c (attention with q pre-scaled meets
+    the scores-scaled spelling; the product differs only by where one rounding happens)."""
+    if node.target is not aten.matmul.default:
+        return
+    x, y = node.args[:2]
+    if not (_is_call(x, aten.mul.Tensor) and len(x.users) == 1 and isinstance(x.args[1], (int, float))
+            and not isinstance(x.args[1], bool) and isinstance(x.args[0], fx.Node)):
+        return
+    with graph.inserting_before(node):
+        mm = graph.call_function(aten.matmul.default, (x.args[0], y))
+        scaled = graph.call_function(aten.mul.Tensor, (mm, x.args[1]))
+    mm.meta, scaled.meta = dict(node.meta), dict(node.meta)
+    node.replace_all_uses_with(scaled)
+
+
 def canonicalize(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
@@ -450,8 +467,10 @@ def canonicalize(graph: fx.Graph) -> None:
             view = node
             while view is not None:
                 view = _view_first(graph, view)
+    graph.eliminate_dead_code()  # the operands' old users (expand/view for bmm) would count below
     for node in list(graph.nodes):
         if node.op == "call_function":
             _collapse_view(graph, node)
+            _scale_after_matmul(graph, node)
     graph.eliminate_dead_code()
 

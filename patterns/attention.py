@@ -3,7 +3,7 @@
 Spellings matched (q, k, v of shape (..., L, D); k and v may be repeat_kv'd for GQA/MQA: they bind
 as they are):
     scores by q @ k.transpose(-2, -1) (torch.matmul, @, 4-D or 3-D) scaled by * c or / c after the
-    matmul, or q * c before it; softmax in the input dtype or upcast to fp32 and back;
+    matmul, or q * c before it (canonicalized to after: every mask variant takes it); softmax in the input dtype or upcast to fp32 and back;
     masks: none, an additive float mask (HF eager), masked_fill(bool mask, -inf) (nanoGPT's buffer
     slice, padding masks), causal built in the graph with triu(ones(L, S, bool), 1).
 Emitted: F.scaled_dot_product_attention, made contiguous like the matmul it replaces; is_causal (the
@@ -58,11 +58,6 @@ def _dropped(probs, keep):
 def attention(q, k, v, scale):
     """before: softmax(q @ k^T * scale) @ v              after: sdpa(q, k, v, scale=scale)"""
     return torch.softmax(_scores(q, k, scale), dim=-1) @ v
-
-
-def attention_prescaled_q(q, k, v, scale):
-    """before: softmax((q * scale) @ k^T) @ v            after: sdpa(q, k, v, scale=scale)"""
-    return torch.softmax((q * scale) @ k.transpose(-2, -1), dim=-1) @ v
 
 
 def attention_additive_mask(q, k, v, mask, scale):
@@ -296,8 +291,6 @@ def _register(name, search, replacement, examples, legal, kernel="flash", priori
 
 
 _register("attention", attention, lambda q, k, v, scale: _sdpa(q, k, v, scale), [*_QKV, SCALE], _legal)
-_register("attention_prescaled_q", attention_prescaled_q, lambda q, k, v, scale: _sdpa(q, k, v, scale),
-          [*_QKV, SCALE], _legal)
 _register("attention_additive_mask", attention_additive_mask,
           lambda q, k, v, mask, scale: _sdpa(q, k, v, scale, mask=mask.to(q.dtype)),
           [*_QKV, _MASK, SCALE], _mask_legal, "sdpa_mask", priority=40)

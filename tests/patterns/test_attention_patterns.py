@@ -21,7 +21,7 @@ SPELLINGS = {
     "torch_matmul_div_sqrt": (lambda q, k, v: torch.matmul(torch.softmax(
         torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.size(-1)), dim=-1), v), "attention"),
     "prescaled_q": (lambda q, k, v: torch.softmax((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1), -1) @ v,
-                    "attention_prescaled_q"),
+                    "attention"),
     "softmax_upcast": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1, dtype=torch.float32)
                        .to(q.dtype) @ v, "attention"),
 }
@@ -302,3 +302,12 @@ def test_where_with_the_fill_first_is_a_bool_mask():
     masked = torch.rand(2, 1, 13, 13) > 0.7
     masked[..., 0] = False  # no fully masked row
     check_rewrite(fn, [*_qkv(), masked], {"attention_bool_mask": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+
+
+def test_prescaled_q_with_a_causal_mask():
+    """q * c before the matmul is canonicalized to a scale after it, so the masked variants take it."""
+    def fn(q, k, v):
+        n = q.size(-2)
+        s = (q * 0.3) @ k.transpose(-2, -1)
+        return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+    check_rewrite(fn, _qkv(), {"attention_causal": 1}, config=fc.FusionConfig(handoff="aot_eager"))
