@@ -7,8 +7,9 @@ Spellings matched (any ignore_index; mean, sum or none):
     label smoothing (mean, sum): as F.cross_entropy(label_smoothing=eps) decomposes; the two scalars
     it leaves, 1 - eps and eps / V, are checked to agree
     the same preceded by the LM head, F.linear(h, W[, b]) (tied or untied W: it is one input either
-    way), optionally logit soft-capping tanh(logits / cap) * cap (Gemma 2): mean and sum only (the
-    gradients are computed in the forward, which a per-token incoming gradient would invalidate)
+    way), optionally logit soft-capping tanh(logits / cap) * cap (Gemma 2), or label smoothing
+    (without bias or soft-cap): mean and sum only (the gradients are computed in the forward, which
+    a per-token incoming gradient would invalidate)
 Logits upcast to fp32 before the loss are read in their own dtype (the cast is not materialized).
 When the logits are also returned (HF returns outputs.logits) the region is a near-miss, unless
 FusionConfig(drop_logits=True), which returns an empty tensor in their place in training.
@@ -97,18 +98,23 @@ def _register(reduction: str) -> None:
                      example_inputs=[_LOGITS, _TARGET, IGNORE], can_apply=_legal, priority=20)
 
 
+def _smoothed_loss(logits, target, ignore_index, keep, per_class, reduction):
+    """F.cross_entropy(logits, target, ignore_index=i, label_smoothing=eps) as it decomposes:
+    (1 - eps) * nll + (eps / V) * sum of -log_softmax over classes and valid rows (mean: / valid rows)."""
+    lsm = torch.log_softmax(logits, -1)
+    nll = F.nll_loss(lsm, target, ignore_index=ignore_index, reduction=reduction)
+    ignored = target == ignore_index
+    smooth = (-lsm.sum(-1)).masked_fill(ignored, 0.0).sum()
+    if reduction == "mean":
+        smooth = smooth / (~ignored).sum()
+    return nll * keep + smooth * per_class
+
+
 def _register_smoothed(reduction: str) -> None:
     def smoothed(logits, target, ignore_index, keep, per_class):
-        """before: F.cross_entropy(logits, target, ignore_index=i, label_smoothing=eps) as it decomposes:
-        (1 - eps) * nll + (eps / V) * sum of -log_softmax over classes and valid rows (mean: / valid rows)
+        """before: F.cross_entropy(logits, target, ignore_index=i, label_smoothing=eps)
         after:  fusion.cross_entropy(logits, target, i, reduction, eps)[0]"""
-        lsm = torch.log_softmax(logits, -1)
-        nll = F.nll_loss(lsm, target, ignore_index=ignore_index, reduction=reduction)
-        ignored = target == ignore_index
-        smooth = (-lsm.sum(-1)).masked_fill(ignored, 0.0).sum()
-        if reduction == "mean":
-            smooth = smooth / (~ignored).sum()
-        return nll * keep + smooth * per_class
+        return _smoothed_loss(logits, target, ignore_index, keep, per_class, reduction)
 
     def replacement(logits, target, ignore_index, keep, per_class):
         eps = _smoothing(keep, per_class, logits.shape[-1])
@@ -126,10 +132,10 @@ for _reduction in ("mean", "sum"):
 
 
 # --- linear + cross-entropy --------------------------------------------------------------------------
-def _lce(h, w, b, target, ignore_index, reduction, cap=0.0):
+def _lce(h, w, b, target, ignore_index, reduction, cap=0.0, eps=0.0):
     """The chunked op; gradients are computed in the forward only when something needs them."""
     with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b))
-    return torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, 0.0, cap, with_grad)[0]
+    return torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, eps, cap, with_grad)[0]
 
 
 def _register_linear(reduction: str, bias: bool, softcap: bool) -> None:
@@ -177,3 +183,32 @@ for _reduction in ("mean", "sum"):
     for _bias in (False, True):
         for _softcap in (False, True):
             _register_linear(_reduction, _bias, _softcap)
+
+
+def _linear_smooth_legal(match) -> str | None:
+    h, w, target, _, keep, per_class = match.input_values()
+    why = _linear_legal(match)
+    if why:
+        return why
+    if _smoothing(keep, per_class, w.shape[0]) is None:
+        return f"scalars {keep} and {per_class} are not 1 - eps and eps / {w.shape[0]} of one label smoothing"
+    return None
+
+
+def _register_linear_smoothed(reduction: str) -> None:
+    def search(h, w, target, ignore_index, keep, per_class):
+        """before: F.cross_entropy(F.linear(h, W), target, label_smoothing=eps)
+        after:  fusion.linear_cross_entropy(..., eps) in chunks of tokens"""
+        return _smoothed_loss(F.linear(h, w), target, ignore_index, keep, per_class, reduction)
+
+    def replacement(h, w, target, ignore_index, keep, per_class):
+        return _lce(h, w, None, target, ignore_index, reduction, eps=_smoothing(keep, per_class, w.shape[0]))
+
+    register_pattern(f"linear_cross_entropy_smoothed_{reduction}", family="loss", kernel="linear_cross_entropy",
+                     search=search, replacement=replacement,
+                     example_inputs=[_H, _W, _TARGET, IGNORE, KEEP, SMOOTH_PER_CLASS], can_apply=_linear_smooth_legal,
+                     should_apply=cost.estimate_linear_cross_entropy, priority=45)
+
+
+for _reduction in ("mean", "sum"):
+    _register_linear_smoothed(_reduction)

@@ -192,3 +192,11 @@ def test_linear_cross_entropy_cost_is_measured_and_memory_needs_the_switch(vocab
     assert plain.profitable is default and "fwd+bwd measured on h200" in plain.reason()
     assert trade.profitable and "less memory, prefer_memory=True" in trade.reason()
     assert "GiB less peak memory" in trade.reason()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_with_label_smoothing(reduction):
+    def fn(h, w, t):
+        return F.cross_entropy(F.linear(h, w), t, label_smoothing=0.1, reduction=reduction)
+    check_rewrite(fn, [torch.randn(13, 16), torch.randn(77, 16) / 4, _target()],
+                  {f"linear_cross_entropy_smoothed_{reduction}": 1})
