@@ -13,7 +13,8 @@ by list scheduling:
 Before scheduling, all-gather -> matmul and matmul -> all-reduce / reduce-scatter (tensor and
 sequence parallel layers) are split into chunks when the cost model says the pipeline pays, so
 that one chunk's communication overlaps the next chunk's matmul (micro-pipelining).
-Every collective gets a decision row: how many nodes moved, the communication estimate (bytes over
+The new order is kept unless the estimated exposed time of the graph goes up. Every
+collective gets a decision row (applied when its own exposed time goes down): how many nodes moved, the communication estimate (bytes over
 the link bandwidth), the compute placed between issue and wait (FLOPs at the matmul rate, bytes at
 the memory bandwidth) and the exposed time before and after.
 """
@@ -223,8 +224,13 @@ class OverlapPass(_compat.CustomGraphPass):
                     f"matmul); est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel=name))
             body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         order = schedule(graph, self.budget)
-        apply_order(graph, order)
         after = exposed(order, self.link)
+        total_before = sum(max(0.0, c - h) for c, h in before.values())
+        total_after = sum(max(0.0, c - h) for c, h in after.values())
+        if total_after <= total_before:
+            apply_order(graph, order)
+        else:  # the estimate got worse: the graph keeps its order
+            order, after = body, exposed(body, self.link)
         old, new = {n: i for i, n in enumerate(body)}, {n: i for i, n in enumerate(order)}
         for n, (comm, hidden) in after.items():
             was = max(0.0, comm - before[n][1]) if n in before else comm  # a new chunk: was serial
@@ -232,11 +238,15 @@ class OverlapPass(_compat.CustomGraphPass):
             self.estimates.append((_name(n), comm, was, now))
             waits = _waits(n)
             moved_wait = (new[waits[0]] - old[waits[0]]) if waits and waits[0] in old else 0
+            moved = old.get(n, new[n]) != new[n] or moved_wait
+            note = "" if now < was else "; nothing moves over the wire (one rank)" if comm == 0 else \
+                "; no independent compute to hide it behind"
             self.log.add(Decision(
                 graph=self.graph_id, pattern=f"overlap_{_name(n)}", family="collectives",
-                verdict="applied" if now < was or new[n] != old.get(n, new[n]) or moved_wait else "rejected",
+                verdict="applied" if now < was or (comm == 0 and moved) else "rejected",
                 reason=(f"issued {old.get(n, new[n]) - new[n]} nodes earlier, wait {moved_wait} later; est. comm "
-                        f"{comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us ({self.link.name})"),
+                        f"{comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us ({self.link.name})"
+                        + note),
                 location=location(n), inputs=(f"{_bytes(n)} B",),
                 time_saved_us=round((was - now) * 1e6, 2), kernel=_name(n)))
         self.graphs.append(graph)
