@@ -7,7 +7,6 @@ Bytes counted (the fused minimum): fwd = inputs + outputs; fwd+bwd adds output g
 profiler's summed kernel durations (no CPU overhead); wall_fwdbwd_us is the plain loop, CPU dispatch included.
 """
 import argparse
-import functools
 
 import torch
 import torch.nn.functional as F

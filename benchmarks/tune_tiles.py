@@ -8,7 +8,6 @@ import triton
 
 from common import bench_gpu_ms
 from fusion_compiler.codegen import rmsnorm
-from fusion_compiler.codegen.launch import persistent_programs
 
 
 def time_fwd(x, w, block_m, warps):
