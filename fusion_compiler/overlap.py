@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
+from .cost import nbytes
 from .decisions import Decision, location
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "all_to_all_single")
@@ -57,8 +58,7 @@ def is_wait(node: fx.Node) -> bool:
 
 def _bytes(node: fx.Node) -> int:
     v = node.meta.get("val")
-    vals = v if isinstance(v, (list, tuple)) else [v]
-    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+    return sum(map(nbytes, v if isinstance(v, (list, tuple)) else [v]))
 
 
 def comm_seconds(node: fx.Node, world: int, link: LinkProfile) -> float:

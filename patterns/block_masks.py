@@ -48,14 +48,16 @@ def causal_block_mask(lq: int, lk: int, device) -> BlockMask:
 
 
 def _tile_flags(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full) per tile of a bool (Bm, Hm, L, S) mask; positions past the end count as kept
-    for `full` (FlexAttention bounds them itself) and as masked for `any`."""
+    """(partial, full) per tile of a bool (Bm, Hm, L, S) mask, in one pass over it: a tile is full
+    when it keeps every one of its in-bounds positions (FlexAttention bounds the rest itself)."""
     lq, lk = keep.shape[-2:]
-    pad = (0, _blocks(lk) * BLOCK - lk, 0, _blocks(lq) * BLOCK - lq)
-    shape = (*keep.shape[:2], _blocks(lq), BLOCK, _blocks(lk), BLOCK)
-    any_kept = F.pad(keep, pad, value=False).reshape(shape).any(-1).any(-2)
-    full = F.pad(keep, pad, value=True).reshape(shape).all(-1).all(-2)
-    return any_kept & ~full, full
+    nq, nk = _blocks(lq), _blocks(lk)
+    padded = F.pad(keep, (0, nk * BLOCK - lk, 0, nq * BLOCK - lq), value=False)
+    kept = padded.reshape(*keep.shape[:2], nq, BLOCK, nk, BLOCK).sum((-1, -3), dtype=torch.int32)
+    rows = torch.clamp(lq - torch.arange(nq, device=keep.device) * BLOCK, max=BLOCK)
+    cols = torch.clamp(lk - torch.arange(nk, device=keep.device) * BLOCK, max=BLOCK)
+    full = kept == rows[:, None] * cols[None, :]
+    return (kept > 0) & ~full, full
 
 
 def dense_block_mask(keep: torch.Tensor, batch: int, heads: int) -> BlockMask:

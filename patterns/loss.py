@@ -139,37 +139,24 @@ def _lce(h, w, b, target, ignore_index, reduction, cap=0.0, eps=0.0):
 
 
 def _register_linear(reduction: str, bias: bool, softcap: bool) -> None:
-    def logits_of(h, w, b, cap):
-        logits = F.linear(h, w, b)
-        return torch.tanh(logits / cap) * cap if softcap else logits
+    def unpack(args):
+        """(h, W, b, target, ignore_index, cap) from the arguments: (h, W, [b,] target, i[, cap])."""
+        h, w, *rest = args
+        b = rest.pop(0) if bias else None
+        return (h, w, b, *rest[:2], rest[2] if softcap else 0.0)
 
-    def loss(logits, target, ignore_index):
+    def search(*args):
+        h, w, b, target, ignore_index, cap = unpack(args)
+        logits = F.linear(h, w, b)
+        if softcap:
+            logits = torch.tanh(logits / cap) * cap
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
-    if bias and softcap:
-        def search(h, w, b, target, ignore_index, cap):
-            return loss(logits_of(h, w, b, cap), target, ignore_index)
-        def replacement(h, w, b, target, ignore_index, cap):  # noqa: E306
-            return _lce(h, w, b, target, ignore_index, reduction, cap)
-        examples = [_H, _W, _B, _TARGET, IGNORE, CAP]
-    elif bias:
-        def search(h, w, b, target, ignore_index):
-            return loss(logits_of(h, w, b, None), target, ignore_index)
-        def replacement(h, w, b, target, ignore_index):  # noqa: E306
-            return _lce(h, w, b, target, ignore_index, reduction)
-        examples = [_H, _W, _B, _TARGET, IGNORE]
-    elif softcap:
-        def search(h, w, target, ignore_index, cap):
-            return loss(logits_of(h, w, None, cap), target, ignore_index)
-        def replacement(h, w, target, ignore_index, cap):  # noqa: E306
-            return _lce(h, w, None, target, ignore_index, reduction, cap)
-        examples = [_H, _W, _TARGET, IGNORE, CAP]
-    else:
-        def search(h, w, target, ignore_index):
-            return loss(logits_of(h, w, None, None), target, ignore_index)
-        def replacement(h, w, target, ignore_index):  # noqa: E306
-            return _lce(h, w, None, target, ignore_index, reduction)
-        examples = [_H, _W, _TARGET, IGNORE]
+    def replacement(*args):
+        h, w, b, target, ignore_index, cap = unpack(args)
+        return _lce(h, w, b, target, ignore_index, reduction, cap)
+
+    examples = [_H, _W, *([_B] if bias else []), _TARGET, IGNORE, *([CAP] if softcap else [])]
     name = "linear_" + ("bias_" if bias else "") + ("softcap_" if softcap else "") + f"cross_entropy_{reduction}"
     search.__doc__ = (f"before: F.cross_entropy({'softcap(' if softcap else ''}F.linear(h, W{', b' if bias else ''})"
                       f"{')' if softcap else ''}, target, reduction={reduction!r})   "
