@@ -75,7 +75,7 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
 # chunk re-reads and re-writes the dW accumulator), for half the peak memory
 _LINEAR_CE_H200 = ((32000, 0.99), (128256, 1.08), (1 << 30, 1.12))
 PROFILES = {
-    # the H100's attention figures are the H200's (same SMs and clocks; only the H200 was measured)
+    # the H100's attention figures: assumed the H200's (one GH100 chip; only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200),

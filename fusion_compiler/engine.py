@@ -254,7 +254,7 @@ def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.Graph
 def _escape_reason(inner, user, pattern) -> str:
     where = location(user)
     reason = f"intermediate {inner.name} is also used by {user.name}" + (f" ({where})" if where else "")
-    if pattern.family == "loss" and _returned_only(user if user.op != "output" else inner) is not None:
+    if pattern.family == "loss" and (user.op == "output" or _returned_only(user) is not None):
         reason += ("; it is only returned (e.g. HF's outputs.logits): FusionConfig(drop_logits=True) returns "
                    "an empty tensor instead in training")
     return reason

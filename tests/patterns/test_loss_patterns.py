@@ -200,3 +200,27 @@ def test_linear_cross_entropy_with_label_smoothing(reduction):
         return F.cross_entropy(F.linear(h, w), t, label_smoothing=0.1, reduction=reduction)
     check_rewrite(fn, [torch.randn(13, 16), torch.randn(77, 16) / 4, _target()],
                   {f"linear_cross_entropy_smoothed_{reduction}": 1})
+
+
+def test_linear_cross_entropy_float64_stays_eager():
+    def fn(h, w, t):
+        return F.cross_entropy(F.linear(h, w), t)
+    h, w, t = torch.randn(13, 16, dtype=torch.float64), torch.randn(77, 16, dtype=torch.float64), _target()
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    out = torch.compile(fn, backend=be)(h, w, t)
+    d = next(d for d in be.log.decisions if d.pattern == "linear_cross_entropy_mean")
+    assert d.verdict == "rejected" and "float64" in d.reason
+    assert not any(d.verdict == "applied" for d in be.log.decisions)
+    torch.testing.assert_close(out, fn(h, w, t))
+
+
+def test_logits_returned_directly_name_the_switch():
+    """The logits returned as they are (no view on the way out) also get the drop_logits hint."""
+    def fn(h, w, t):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits, t), logits
+    h, w = torch.randn(13, 16, requires_grad=True), torch.randn(77, 16, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    torch.compile(fn, backend=be)(h, w, _target())
+    d = next(d for d in be.log.decisions if d.pattern == "linear_cross_entropy_mean")
+    assert d.verdict == "near-miss" and "drop_logits=True" in d.reason
