@@ -135,30 +135,36 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
     output last)."""
     body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     index = {n: i for i, n in enumerate(body)}
-    pending = set(body)
     extra = _mutation_order(body, index)
-    done = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    # what each node waits for inside the body, counted down as it runs (ready set kept incrementally)
+    deps = {n: {a for a in n.all_input_nodes if a in index} | extra.get(n, set()) for n in body}
+    waiting = {n: len(d) for n, d in deps.items()}
+    unblocks: dict = {}
+    for n, d in deps.items():
+        for a in d:
+            unblocks.setdefault(a, []).append(n)
+    ready = {n for n, k in waiting.items() if k == 0}
     remaining_uses = {n: len(n.users) for n in graph.nodes}
-    live = sum(_bytes(n) for n in done)
+    live = sum(_bytes(n) for n in graph.nodes if n.op in ("placeholder", "get_attr"))
     order = []
-
-    def ready(n):
-        return all(a in done for a in n.all_input_nodes) and extra.get(n, set()) <= done
 
     def run(n):
         nonlocal live
         order.append(n)
-        done.add(n)
-        pending.discard(n)
+        ready.discard(n)
         live += _bytes(n)
         for a in n.all_input_nodes:
             remaining_uses[a] -= 1
             if remaining_uses[a] == 0 and a.op != "placeholder":
                 live -= _bytes(a)
+        for m in unblocks.get(n, ()):
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                ready.add(m)
 
     feeds = _ancestors([n for n in body if is_collective(n)])
-    while pending:
-        candidates = sorted((n for n in pending if ready(n)), key=index.get)
+    while ready:
+        candidates = sorted(ready, key=index.get)
         early = [n for n in candidates if (is_collective(n) or n in feeds and not is_wait(n))
                  and live + _bytes(n) <= budget_bytes]
         compute = [n for n in candidates if not is_wait(n)]
@@ -168,7 +174,7 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
             run(compute[0])
         else:
             run(candidates[0])  # only waits are ready: the earliest one
-    return order
+    return order if len(order) == len(body) else body  # (a dependency cycle: keep the graph's order)
 
 
 def apply_order(graph: fx.Graph, order: list[fx.Node]) -> None:
