@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import _compat, cost
 from .canonical import trace_function, val
 from .decisions import Decision, DecisionLog, describe, location
-from .matcher import Matcher, candidates
+from .matcher import Match, Matcher, candidates
 from .pattern import registered_patterns, scalars
 
 _VERIFIED: dict = {}  # (pattern, signature, training) -> None or the failure
@@ -216,7 +216,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
             match = loose.match(pattern, anchor)
             if match is None:
                 continue
-            decision, replacement, dropped = _decide(pattern, match, config, needs_grad, graph_id)
+            decision, replacement, dropped, match = _decide(pattern, match, config, needs_grad, graph_id)
             if replacement is not None:
                 order = {n: i for i, n in enumerate(gm.graph.nodes)}
                 after = _insertion_point(gm.graph, match, order)
@@ -243,12 +243,38 @@ def _row(graph_id, pattern, match, verdict, reason, estimate=None) -> Decision:
     )
 
 
-def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None, list]:
+def _decide(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None, list, Match]:
+    match, failure = _verified(pattern, match)
+    if failure:
+        return _row(gid, pattern, match, "near-miss", failure), None, [], match
     decision, replacement, dropped = _decide_region(pattern, match, config, needs_grad, gid)
     if replacement is not None and dropped:
         decision = dataclasses.replace(decision, reason=decision.reason + f"; returned logits dropped "
                                        f"({', '.join(n.name for n in dropped)}: empty tensors, drop_logits=True)")
-    return decision, replacement, dropped
+    return decision, replacement, dropped, match
+
+
+def _verified(pattern, match) -> tuple[Match, str | None]:
+    """The loose match checked against the search function re-traced at its inputs' real shapes,
+    dtypes and scalars. Inputs are read through the user's float casts first; where the search
+    function does not trace at those dtypes (bf16 scores plus an fp32 mask the user cast to bf16),
+    the inputs are bound with their casts instead."""
+    failure = None
+    for read_casts in (True, False):
+        if not read_casts:
+            match = Matcher(pattern.graph(), pattern.scalar_names, exact=False, read_casts=False).match(
+                pattern, match.anchor) or match
+        values = match.input_values()
+        try:
+            graph = pattern.graph_at(values)
+        except Exception as e:  # noqa: BLE001 - a search function that cannot run at these inputs
+            failure = f"the search function does not trace at these inputs: {type(e).__name__}: {e}"
+            continue
+        exact = Matcher(graph, scalars(values), exact=True, read_casts=read_casts).match(pattern, match.anchor)
+        if exact is None or set(exact.nodes) != set(match.nodes):
+            return match, "structure matches but sizes or constants differ from the pattern at these shapes"
+        return match, None
+    return match, failure
 
 
 def _escape_reason(inner, user, pattern) -> str:
@@ -262,10 +288,6 @@ def _escape_reason(inner, user, pattern) -> str:
 
 def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, fx.GraphModule | None, list]:
     values = match.input_values()
-    exact = Matcher(pattern.graph_at(values), scalars(values), exact=True).match(pattern, match.anchor)
-    if exact is None or set(exact.nodes) != set(match.nodes):
-        return _row(gid, pattern, match, "near-miss",
-                    "structure matches but sizes or constants differ from the pattern at these shapes"), None, []
     training = any(isinstance(a, fx.Node) and a in needs_grad for a in match.inputs)
     dropped, heads = _droppable(match, config, training)
     escape = match.escaping(ignore=heads.__contains__)

@@ -91,9 +91,12 @@ class _State:
 class Matcher:
     """Matches one traced pattern graph; `exact` compares every literal."""
 
-    def __init__(self, graph: fx.GraphModule, scalars: dict[int, float], exact: bool):
+    def __init__(self, graph: fx.GraphModule, scalars: dict[int, float], exact: bool, read_casts: bool = True):
+        """read_casts: a placeholder binds to the value before the user's float casts (kernels compute
+        in fp32); False binds the cast value itself (when the search function needs its dtype)."""
         self.graph = graph
         self.exact = exact
+        self.read_casts = read_casts
         self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
         self.sentinels = {(type(v), v): i for i, v in scalars.items()}
         out = next(n for n in graph.graph.nodes if n.op == "output")
@@ -128,7 +131,7 @@ class Matcher:
             return False
         p = strip_casts(p)
         if p.op == "placeholder":
-            t = strip_casts(t)
+            t = strip_casts(t) if self.read_casts else t
             prev = st.bind.setdefault(p, t)
             return prev is t
         if p.op != "call_function":

@@ -139,6 +139,23 @@ def test_kernel_that_fails_is_rejected_with_reason():
         fc.unregister_pattern("failing_tanh")
 
 
+def test_search_function_that_cannot_run_at_the_inputs_is_a_near_miss():
+    """A user pattern written for 2-D inputs meets a 3-D one: the loose match holds, the re-trace at
+    the real shapes raises; that pattern records a near-miss and the graph still compiles."""
+    def search(x):
+        return torch.tanh(x.view(x.shape[0] * x.shape[1])) * 3.0  # 2-D only
+    fc.register_pattern("flat_tanh", search=search, replacement=search, example_inputs=[torch.randn(4, 8)])
+    try:
+        be = fc.backend(handoff="aot_eager", cost_model="always")
+        x = torch.randn(2, 3, 5)
+        fn = lambda x: torch.tanh(x.view(30)) * 3.0  # noqa: E731
+        torch.testing.assert_close(torch.compile(fn, backend=be)(x), fn(x))
+        [d] = be.log.decisions
+        assert d.verdict == "near-miss" and "does not trace at these inputs" in d.reason, d
+    finally:
+        fc.unregister_pattern("flat_tanh")
+
+
 def test_explain_report_table_json_and_logger(caplog):
     x, w = torch.randn(6, 48), torch.randn(48)
     with caplog.at_level(logging.INFO, logger="fusion_compiler"):

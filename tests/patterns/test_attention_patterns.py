@@ -311,3 +311,23 @@ def test_prescaled_q_with_a_causal_mask():
         s = (q * 0.3) @ k.transpose(-2, -1)
         return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
     check_rewrite(fn, _qkv(), {"attention_causal": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+
+
+def _alibi_fp32(n, heads):
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+    i = torch.arange(n)
+    bias = -(i[:, None] - i[None, :]).clamp(min=0).float() * slopes[:, None, None]
+    return bias.masked_fill(i[None, :] > i[:, None], float("-inf"))[None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_bias_cast_to_the_scores_dtype(dtype):
+    """ALiBi built in fp32 and cast to bf16 before the add: the mask binds to the cast value (an fp32
+    mask with bf16 scores is not the search function's dtype) and becomes SDPA's additive mask."""
+    def fn(q, k, v):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + _alibi_fp32(q.size(-2), q.size(1)).to(q.dtype)
+        return torch.softmax(s, -1) @ v
+    be = check_rewrite(fn, _qkv(dtype=dtype), {"attention_additive_mask": 1}, dtype,
+                       config=fc.FusionConfig(handoff="aot_eager"))
+    assert _sdpa_called(be)
+    assert not [d for d in be.log.decisions if d.verdict == "fallback"]
