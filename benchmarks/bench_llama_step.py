@@ -28,25 +28,17 @@ def build(seed=0):
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
-def run_mode(mode, steps, batch=2, seq=2048):
+def make_step(mode, batch=2, seq=2048):
+    """(step function, fusion backend or None, model, optimizer) of one mode."""
     import fusion_compiler as fc
     if mode == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    if mode == "inductor":
-        fwd = torch.compile(model)
-    elif mode == "fusion":
-        fwd = torch.compile(model, backend="fusion")
-    elif mode == "fusion_always":
-        be = fc.backend(cost_model="always")
-        fwd = torch.compile(model, backend=be)
-    elif mode == "fusion_drop_logits":
-        be = fc.backend(drop_logits=True, prefer_memory=True)
-        fwd = torch.compile(model, backend=be)
-    else:
-        fwd = model
+    be = {"fusion": "fusion", "fusion_always": fc.backend(cost_model="always"),
+          "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True), "inductor": "inductor"}.get(mode)
+    fwd = torch.compile(model, backend=be) if be is not None else model
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)
 
@@ -56,7 +48,12 @@ def run_mode(mode, steps, batch=2, seq=2048):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+    return step, (be if not isinstance(be, str) else None), model, opt
 
+
+def run_mode(mode, steps, batch=2, seq=2048):
+    import fusion_compiler as fc
+    step, be, model, opt = make_step(mode, batch, seq)
     torch.cuda.synchronize()
     t = time.perf_counter()
     loss0 = step().item()
@@ -83,7 +80,7 @@ def run_mode(mode, steps, batch=2, seq=2048):
         row["applied"] = s["applied"]
         row["rejected"] = s["rejected"]
         print(rep, flush=True)
-    del model, opt, fwd
+    del model, opt, step
     torch.compiler.reset()
     torch.cuda.empty_cache()
     return row

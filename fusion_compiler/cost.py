@@ -241,3 +241,26 @@ def estimate_linear_cross_entropy(match, ctx: CostContext) -> Estimate:
     return Estimate(base_s * ratio, base_s, logits, logits + saved, ctx.baseline,
                     f"{source}: x{ratio:.2f} time; logits {n}x{v} never materialized: ~{saved / 2**30:.2f} GiB "
                     f"less peak memory; {flops / 1e12:.2f} TFLOP of GEMMs either way", memory_trade=trade)
+
+
+def estimate_embedding(match, ctx: CostContext) -> Estimate:
+    """The lookup is the same gather either way; the backward differs. Inductor scatter-adds into an
+    fp32 copy of the table (bf16/fp16 weights: zero 4VH bytes, atomics on the rows, read 4VH, write
+    2VH); ATen's CUDA kernel sums sorted rows in fp32 partials the size of the tokens and writes the
+    table once (2VH). Only the Inductor baseline in training with a low-precision table differs."""
+    weight, indices = match.tensor_inputs()[:2]
+    v, h, n = weight.shape[0], weight.shape[1], indices.numel()
+    es = weight.element_size()
+    fwd = n * h * es * 2
+    p = ctx.profile
+    bw = p.bandwidth * p.default_efficiency
+    if not ctx.training or ctx.baseline != "inductor" or weight.dtype == torch.float32:
+        why = "no table gradient" if not ctx.training else \
+            f"{ctx.baseline} computes the same backward" if ctx.baseline != "inductor" else \
+            "fp32 table: Inductor accumulates in place"
+        return Estimate(fwd / bw, fwd / bw, fwd, fwd, ctx.baseline, f"{why}: the same gather")
+    theirs = fwd + 10 * v * h + n * h * (es + 8)
+    ours = fwd + 2 * v * h + n * h * (es + 12)
+    return Estimate(ours / bw + 3 * p.launch_s, theirs / bw, ours, theirs, ctx.baseline,
+                    f"table gradient accumulated without Inductor's {v}x{h} fp32 copy: "
+                    f"~{4 * v * h / 2**30:.2f} GiB less peak memory")

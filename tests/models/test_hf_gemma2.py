@@ -38,7 +38,7 @@ def test_gemma2_inference_rewrites_every_region():
             assert d.pattern == "attention_softcap_causal_mask" and d.reason == "constant mask is not causal", d
     # full layers: the causal block mask; sliding-window layers: the block mask reduced from the window
     assert applied == {"attention_softcap_causal_mask": LAYERS // 2, "attention_softcap_block_mask": LAYERS // 2, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
-                       "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS}
+                       "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS, "embedding": 1}
 
 
 def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
@@ -48,4 +48,4 @@ def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
     assert all(d.verdict == "rejected" for d in attention)
     assert {d.location for d in attention if "backward on CPU" in d.reason} == {d.location for d in attention}
     assert len([d for d in attention if "backward on CPU" in d.reason]) >= LAYERS
-    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 1  # + loss
+    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 2  # + loss, embedding

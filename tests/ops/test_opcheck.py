@@ -29,25 +29,16 @@ def cases(dtype):
                                        torch.randint(0, 50, (6,)), -100, "mean", 0.0, 0.0, True)),
         (fusion.linear_cross_entropy, (_p(6, 16, dtype=dtype), _p(50, 16, dtype=dtype), _p(50, dtype=dtype),
                                        torch.randint(0, 50, (6,)), -100, "sum", 0.0, 5.0, True)),
-        (fusion.scale_, (torch.randn(4, 8, dtype=dtype), torch.tensor(0.5))),
+        (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (3, 5)), -1)),
+        (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (7,)), 2)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(14))
+@pytest.mark.parametrize("index", range(15))
 def test_opcheck(dtype, index):
     op, args = cases(dtype)[index]
-    utils = NO_AOT if op is fusion.linear_cross_entropy else DEFAULT
-    torch.library.opcheck(op, args, test_utils=utils)
-
-
-DEFAULT = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
-           "test_aot_dispatch_dynamic")
-# linear_cross_entropy's backward scales its saved gradients (outputs 1-3) in place and returns them
-# as the input gradients (no second dW-sized buffer). opcheck's AOT tests return those outputs to the
-# caller too, which AOT rejects ("Node ... was invalid, but is output"); the rewrite only ever uses
-# output 0, and that path runs through AOT in tests/models (aot_eager and Inductor hand-offs).
-NO_AOT = DEFAULT[:3]
+    torch.library.opcheck(op, args)
 
 
 def test_rope_gradients_reach_cos_and_sin():
@@ -84,11 +75,12 @@ def backward_cases(dtype):
         (fusion.rope_backward, (torch.randn(2, 3, 5, 8, dtype=dtype), theta.cos().to(dtype), theta.sin().to(dtype), False)),
         (fusion.glu_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), "gelu")),
         (fusion.glu_packed_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 66, dtype=dtype), "silu", True)),
+        (fusion.embedding_backward, (torch.randn(3, 5, 8, dtype=dtype), torch.randint(0, 20, (3, 5)), 20, 4)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(8))
 def test_opcheck_backward_ops(dtype, index):
     """The backward ops are ops too (no autograd of their own: double backward is not supported)."""
     op, args = backward_cases(dtype)[index]

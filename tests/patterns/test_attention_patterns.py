@@ -35,11 +35,35 @@ def test_unmasked_spellings(spelling, dtype):
     assert _sdpa_called(be)
 
 
+def _sdpa_ranks(be):
+    return {n.args[0].meta["val"].dim() for gm in be.rewritten for n in gm.graph.nodes
+            if "scaled_dot_product" in str(n.target)}
+
+
 def test_bmm_on_flattened_heads():
     def fn(q, k, v):  # (B*H, L, D)
         return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.3, dim=-1), v)
     q, k, v = _qkv(5, 7, bh=(6,))
-    check_rewrite(fn, [q, k, v], {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+    be = check_rewrite(fn, [q, k, v], {"attention": 1}, config=fc.FusionConfig(handoff="aot_eager"))
+    assert _sdpa_ranks(be) == {4}  # SDPA's flash and efficient kernels take (B, H, L, D) only
+
+
+@pytest.mark.parametrize("bh", [(6,), (2, 3, 2)], ids=["3d", "5d"])
+@pytest.mark.parametrize("mask", ["causal", "additive"])
+def test_other_ranks_reach_sdpa_as_four_dims(bh, mask):
+    n = 9
+    bias = torch.randn(*bh[1:], n, n)  # broadcasts over the leading dim
+
+    def fn(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.25
+        if mask == "causal":
+            s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1), float("-inf"))
+        else:
+            s = s + bias
+        return torch.softmax(s, -1) @ v
+    name = "attention_causal" if mask == "causal" else "attention_additive_mask"
+    be = check_rewrite(fn, _qkv(n, n, bh=bh), {name: 1}, config=fc.FusionConfig(handoff="aot_eager"))
+    assert _sdpa_ranks(be) == {4}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
