@@ -138,64 +138,55 @@ def _lce(h, w, b, target, ignore_index, reduction, cap=0.0, eps=0.0):
     return torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, eps, cap, with_grad)[0]
 
 
-def _register_linear(reduction: str, bias: bool, softcap: bool) -> None:
+def _register_linear(reduction: str, bias: bool, softcap: bool, smoothed: bool) -> None:
     def unpack(args):
-        """(h, W, b, target, ignore_index, cap) from the arguments: (h, W, [b,] target, i[, cap])."""
+        """(h, W, b, target, ignore_index, cap, keep, per_class) from the arguments:
+        (h, W, [b,] target, i[, cap][, keep, per_class])."""
         h, w, *rest = args
         b = rest.pop(0) if bias else None
-        return (h, w, b, *rest[:2], rest[2] if softcap else 0.0)
+        target, ignore_index, *rest = rest
+        cap = rest.pop(0) if softcap else 0.0
+        keep, per_class = rest if smoothed else (1.0, 0.0)
+        return h, w, b, target, ignore_index, cap, keep, per_class
 
     def search(*args):
-        h, w, b, target, ignore_index, cap = unpack(args)
+        h, w, b, target, ignore_index, cap, keep, per_class = unpack(args)
         logits = F.linear(h, w, b)
         if softcap:
             logits = torch.tanh(logits / cap) * cap
+        if smoothed:
+            return _smoothed_loss(logits, target, ignore_index, keep, per_class, reduction)
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
     def replacement(*args):
-        h, w, b, target, ignore_index, cap = unpack(args)
-        return _lce(h, w, b, target, ignore_index, reduction, cap)
+        h, w, b, target, ignore_index, cap, keep, per_class = unpack(args)
+        eps = _smoothing(keep, per_class, w.shape[0]) if smoothed else 0.0
+        return _lce(h, w, b, target, ignore_index, reduction, cap, eps)
 
-    examples = [_H, _W, *([_B] if bias else []), _TARGET, IGNORE, *([CAP] if softcap else [])]
-    name = "linear_" + ("bias_" if bias else "") + ("softcap_" if softcap else "") + f"cross_entropy_{reduction}"
+    def legal(match) -> str | None:
+        why = _linear_legal(match)
+        if why or not smoothed:
+            return why
+        *_, keep, per_class = unpack(match.input_values())
+        v = match.tensor_inputs()[1].shape[0]
+        if _smoothing(keep, per_class, v) is None:
+            return f"scalars {keep} and {per_class} are not 1 - eps and eps / {v} of one label smoothing"
+        return None
+
+    examples = [_H, _W, *([_B] if bias else []), _TARGET, IGNORE, *([CAP] if softcap else []),
+                *([KEEP, SMOOTH_PER_CLASS] if smoothed else [])]
+    name = ("linear_" + ("bias_" if bias else "") + ("softcap_" if softcap else "") + "cross_entropy_"
+            + ("smoothed_" if smoothed else "") + reduction)
     search.__doc__ = (f"before: F.cross_entropy({'softcap(' if softcap else ''}F.linear(h, W{', b' if bias else ''})"
-                      f"{')' if softcap else ''}, target, reduction={reduction!r})   "
-                      "after: fusion.linear_cross_entropy(...) in chunks of tokens")
+                      f"{')' if softcap else ''}, target, {'label_smoothing=eps, ' if smoothed else ''}"
+                      f"reduction={reduction!r})   after: fusion.linear_cross_entropy(...) in chunks of tokens")
     register_pattern(name, family="loss", kernel="linear_cross_entropy", search=search, replacement=replacement,
-                     example_inputs=examples, can_apply=_linear_legal, should_apply=cost.estimate_linear_cross_entropy,
-                     priority=40 + 2 * softcap + bias)
+                     example_inputs=examples, can_apply=legal, should_apply=cost.estimate_linear_cross_entropy,
+                     priority=40 + 2 * softcap + bias + 5 * smoothed)
 
 
 for _reduction in ("mean", "sum"):
     for _bias in (False, True):
         for _softcap in (False, True):
-            _register_linear(_reduction, _bias, _softcap)
-
-
-def _linear_smooth_legal(match) -> str | None:
-    h, w, target, _, keep, per_class = match.input_values()
-    why = _linear_legal(match)
-    if why:
-        return why
-    if _smoothing(keep, per_class, w.shape[0]) is None:
-        return f"scalars {keep} and {per_class} are not 1 - eps and eps / {w.shape[0]} of one label smoothing"
-    return None
-
-
-def _register_linear_smoothed(reduction: str) -> None:
-    def search(h, w, target, ignore_index, keep, per_class):
-        """before: F.cross_entropy(F.linear(h, W), target, label_smoothing=eps)
-        after:  fusion.linear_cross_entropy(..., eps) in chunks of tokens"""
-        return _smoothed_loss(F.linear(h, w), target, ignore_index, keep, per_class, reduction)
-
-    def replacement(h, w, target, ignore_index, keep, per_class):
-        return _lce(h, w, None, target, ignore_index, reduction, eps=_smoothing(keep, per_class, w.shape[0]))
-
-    register_pattern(f"linear_cross_entropy_smoothed_{reduction}", family="loss", kernel="linear_cross_entropy",
-                     search=search, replacement=replacement,
-                     example_inputs=[_H, _W, _TARGET, IGNORE, KEEP, SMOOTH_PER_CLASS], can_apply=_linear_smooth_legal,
-                     should_apply=cost.estimate_linear_cross_entropy, priority=45)
-
-
-for _reduction in ("mean", "sum"):
-    _register_linear_smoothed(_reduction)
+            for _smoothed in (False, True):
+                _register_linear(_reduction, _bias, _softcap, _smoothed)

@@ -194,12 +194,16 @@ def test_linear_cross_entropy_cost_is_measured_and_memory_needs_the_switch(vocab
     assert "GiB less peak memory" in trade.reason()
 
 
+@pytest.mark.parametrize("bias, softcap", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_linear_cross_entropy_with_label_smoothing(reduction):
-    def fn(h, w, t):
-        return F.cross_entropy(F.linear(h, w), t, label_smoothing=0.1, reduction=reduction)
-    check_rewrite(fn, [torch.randn(13, 16), torch.randn(77, 16) / 4, _target()],
-                  {f"linear_cross_entropy_smoothed_{reduction}": 1})
+def test_linear_cross_entropy_with_label_smoothing(reduction, bias, softcap):
+    def fn(h, w, b, t):
+        logits = F.linear(h, w, b if bias else None)
+        if softcap:
+            logits = torch.tanh(logits / 5.0) * 5.0
+        return F.cross_entropy(logits, t, label_smoothing=0.1, reduction=reduction)
+    name = "linear_" + "bias_" * bias + "softcap_" * softcap + f"cross_entropy_smoothed_{reduction}"
+    check_rewrite(fn, [torch.randn(13, 16), torch.randn(77, 16) / 4, torch.randn(77), _target()], {name: 1})
 
 
 def test_linear_cross_entropy_float64_stays_eager():
