@@ -5,8 +5,10 @@ For each chunk of rows of the hidden states h (N, H):
     loss_c, dlogits_c                                 the cross-entropy kernel (codegen/cross_entropy.py),
                                                       the gradient written over the logits in place
     dh_c = dlogits_c @ W;  dW += dlogits_c^T @ h_c;  db += sum_rows dlogits_c     (training only)
-The gradients are those of a unit incoming gradient (scaled by 1 / valid tokens for a mean), so the
-backward only multiplies them, in place, by the incoming gradient. The chunk holds at most `budget`
+For a mean or a sum the gradients are those of a unit incoming gradient (scaled by 1 / valid tokens
+for a mean), computed in the forward; the backward only multiplies them by the incoming gradient.
+Per-token losses (reduction none) get one incoming gradient per row: the backward runs the chunks
+again with `row_grad`, each row of dlogits scaled by it (one more logits GEMM than Inductor). The chunk holds at most `budget`
 bytes of logits: a quarter of the free device memory, capped at CHUNK_BYTES (256 MiB: 1024 rows of
 a 128K vocabulary in bf16). Fewer rows would save memory but cost time: each chunk reads and
 writes the whole dW accumulator (0.5 GiB for 128K x 2048 in bf16) once more.
@@ -32,8 +34,9 @@ def chunk_rows(n: int, v: int, element_size: int, device: torch.device, budget: 
 
 def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                          ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
-                         with_grad: bool, budget: int | None = None):
-    """Returns (loss, dh, dw, db); the gradients are None unless with_grad (db also without a bias)."""
+                         with_grad: bool, budget: int | None = None, row_grad: torch.Tensor | None = None):
+    """Returns (loss, dh, dw, db); the gradients are None unless with_grad (db also without a bias).
+    row_grad (N,): the incoming gradient of per-token losses (reduction none), applied per row."""
     n, v = h.shape[0], w.shape[0]
     h, target = h.contiguous(), target.contiguous()
     count, scale = ce.loss_scale(target, ignore_index, reduction)
@@ -52,6 +55,8 @@ def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
             torch.addmm(b, h_c, w.t(), out=logits)
         ce.launch_rows(logits, target[start:end], scale, losses[start:end], logits, ignore_index,
                        label_smoothing, softcap)
+        if row_grad is not None:
+            logits.mul_(row_grad[start:end, None])
         if with_grad:
             torch.mm(logits, w, out=dh[start:end])
             if start == 0:

@@ -236,6 +236,10 @@ def estimate_linear_cross_entropy(match, ctx: CostContext) -> Estimate:
         source = f"fwd+bwd measured on {p.name}"
     else:
         ratio, source = 1.0, f"not timed on {p.name}: assumed equal"
+    if ctx.training and match.pattern.name.endswith("_none"):
+        # per-token losses: the backward runs the logits GEMM again (4 GEMMs against Inductor's 3)
+        ratio *= 4 / 3
+        source += ", x4/3 for the backward's second logits GEMM (reduction none)"
     saved = (logits * 2 + n * v * 4) if ctx.training else logits
     trade = ctx.prefer_memory and ratio <= MEMORY_TRADE_MAX and ratio >= 1.0 - MARGIN
     return Estimate(base_s * ratio, base_s, logits, logits + saved, ctx.baseline,

@@ -134,7 +134,8 @@ for _reduction in ("mean", "sum"):
 # --- linear + cross-entropy --------------------------------------------------------------------------
 def _lce(h, w, b, target, ignore_index, reduction, cap=0.0, eps=0.0):
     """The chunked op; gradients are computed in the forward only when something needs them."""
-    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b))
+    with_grad = reduction != "none" and torch.is_grad_enabled() and \
+        any(t is not None and t.requires_grad for t in (h, w, b))
     return torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, eps, cap, with_grad)[0]
 
 
@@ -185,8 +186,8 @@ def _register_linear(reduction: str, bias: bool, softcap: bool, smoothed: bool) 
                      priority=40 + 2 * softcap + bias + 5 * smoothed)
 
 
-for _reduction in ("mean", "sum"):
+for _reduction in ("mean", "sum", "none"):
     for _bias in (False, True):
         for _softcap in (False, True):
-            for _smoothed in (False, True):
+            for _smoothed in (False, True) if _reduction != "none" else (False,):
                 _register_linear(_reduction, _bias, _softcap, _smoothed)

@@ -11,6 +11,8 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
                                                             -> (loss, d loss / d logits)
     torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, label_smoothing,
                                           softcap, with_grad)  -> (loss, dh, dw, db), in chunks of tokens
+    torch.ops.fusion.linear_cross_entropy_backward(h, w, b, target, dloss, ignore_index, label_smoothing,
+                                                   softcap)  -> (dh, dw, db) of per-token losses
     torch.ops.fusion.embedding(weight, indices, padding_idx)  -> weight[indices]; ATen's own backward
 """
 from . import elementwise, embedding, loss, norm  # noqa: F401  (registers the ops)

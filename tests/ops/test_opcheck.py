@@ -29,13 +29,15 @@ def cases(dtype):
                                        torch.randint(0, 50, (6,)), -100, "mean", 0.0, 0.0, True)),
         (fusion.linear_cross_entropy, (_p(6, 16, dtype=dtype), _p(50, 16, dtype=dtype), _p(50, dtype=dtype),
                                        torch.randint(0, 50, (6,)), -100, "sum", 0.0, 5.0, True)),
+        (fusion.linear_cross_entropy, (_p(6, 16, dtype=dtype), _p(50, 16, dtype=dtype), _p(50, dtype=dtype),
+                                       torch.randint(0, 50, (6,)), 3, "none", 0.0, 5.0, False)),
         (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (3, 5)), -1)),
         (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (7,)), 2)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("index", range(16))
 def test_opcheck(dtype, index):
     op, args = cases(dtype)[index]
     torch.library.opcheck(op, args)
@@ -75,12 +77,14 @@ def backward_cases(dtype):
         (fusion.rope_backward, (torch.randn(2, 3, 5, 8, dtype=dtype), theta.cos().to(dtype), theta.sin().to(dtype), False)),
         (fusion.glu_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), torch.randn(4, 33, dtype=dtype), "gelu")),
         (fusion.glu_packed_backward, (torch.randn(4, 33, dtype=dtype), torch.randn(4, 66, dtype=dtype), "silu", True)),
+        (fusion.linear_cross_entropy_backward, (torch.randn(6, 16, dtype=dtype), torch.randn(50, 16, dtype=dtype), None,
+                                                torch.randint(0, 50, (6,)), torch.randn(6), -100, 0.1, 0.0)),
         (fusion.embedding_backward, (torch.randn(3, 5, 8, dtype=dtype), torch.randint(0, 20, (3, 5)), 20, 4)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_opcheck_backward_ops(dtype, index):
     """The backward ops are ops too (no autograd of their own: double backward is not supported)."""
     op, args = backward_cases(dtype)[index]

@@ -100,6 +100,8 @@ LINEAR_CASES = {  # name: (bias, cap, reduction)
     "linear_bias_cross_entropy_mean": (True, None, "mean"),
     "linear_softcap_cross_entropy_mean": (False, 7.0, "mean"),
     "linear_bias_softcap_cross_entropy_sum": (True, 7.0, "sum"),
+    "linear_cross_entropy_none": (False, None, "none"),
+    "linear_bias_softcap_cross_entropy_none": (True, 7.0, "none"),
 }
 
 
@@ -228,3 +230,50 @@ def test_logits_returned_directly_name_the_switch():
     torch.compile(fn, backend=be)(h, w, _target())
     d = next(d for d in be.log.decisions if d.pattern == "linear_cross_entropy_mean")
     assert d.verdict == "near-miss" and "drop_logits=True" in d.reason
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 64])
+def test_per_token_losses_weighted_then_summed(chunk_rows, monkeypatch):
+    """Reduction none (e.g. per-token weights): the backward runs the chunks again, each row scaled by
+    its own incoming gradient; with 64-row chunks over 150 tokens the last chunk is partial."""
+    from fusion_compiler.codegen import linear_cross_entropy as lce
+    if chunk_rows:
+        monkeypatch.setattr(lce, "CHUNK_BYTES", chunk_rows * 77 * 4)
+    weights = torch.rand(150)
+
+    def fn(h, w, b, t):
+        return (F.cross_entropy(F.linear(h, w, b), t, reduction="none") * weights).sum()
+    check_rewrite(fn, [torch.randn(150, 16), torch.randn(77, 16) / 4, torch.randn(77), _target(150)],
+                  {"linear_bias_cross_entropy_none": 1})
+
+
+def test_per_token_losses_of_an_all_ignored_batch_are_zero_with_zero_gradients():
+    t = torch.full((13,), -100)
+    h, w = torch.randn(13, 16, requires_grad=True), torch.randn(77, 16, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    out = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w), t, reduction="none"), backend=be)(h, w, t)
+    assert torch.equal(out, torch.zeros(13))
+    gh, gw = torch.autograd.grad(out, (h, w), torch.randn(13))
+    assert not gh.any() and not gw.any()
+    assert [d.pattern for d in be.log.decisions if d.verdict == "applied"] == ["linear_cross_entropy_none"]
+
+
+def test_per_token_cost_counts_the_second_logits_gemm():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusion_compiler import cost
+    from fusion_compiler.matcher import Match
+    from fusion_compiler.pattern import registered_patterns
+    from tests.helpers import placeholder_with
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        h, w = torch.empty(4096, 2048, dtype=torch.bfloat16), torch.empty(128256, 2048, dtype=torch.bfloat16)
+        t = torch.empty(4096, dtype=torch.int64)
+    pats = {p.name: p for p in registered_patterns()}
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", True, True)
+    est = {r: cost.estimate_linear_cross_entropy(
+        Match(pats[f"linear_cross_entropy_{r}"], None, [placeholder_with(graph, v) for v in (h, w, t)] + [-100], [], []),
+        ctx) for r in ("mean", "none")}
+    assert est["none"].ours_s == pytest.approx(est["mean"].ours_s * 4 / 3)
+    assert "second logits GEMM" in est["none"].reason()
