@@ -18,6 +18,20 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 
+from torch.fx.experimental import symbolic_shapes as _symbolic_shapes  # noqa: E402
+
+
+def size_hint(x, fallback: int = 4096) -> int:
+    """A concrete value of a possibly symbolic int (the example the graph was traced at), for cost
+    estimates only: adds no guard. Unbacked sizes get `fallback`."""
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    if hasattr(_symbolic_shapes, "optimization_hint"):  # torch >= 2.12
+        return _symbolic_shapes.optimization_hint(x, fallback=fallback)
+    hint = x.node.hint  # torch 2.11
+    return int(hint) if hint is not None else fallback
+
+
 # ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
 # that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
@@ -34,5 +48,6 @@ __all__ = [
     "compile_fx",
     "detect_fake_mode",
     "get_hash_for_files",
+    "size_hint",
     "tracing",
 ]

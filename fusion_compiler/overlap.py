@@ -57,8 +57,9 @@ def is_wait(node: fx.Node) -> bool:
 
 
 def _bytes(node: fx.Node) -> int:
+    """Bytes of a node's value(s); symbolic sizes at their traced example (no guard)."""
     v = node.meta.get("val")
-    return sum(map(nbytes, v if isinstance(v, (list, tuple)) else [v]))
+    return sum(_compat.size_hint(nbytes(t)) for t in (v if isinstance(v, (list, tuple)) else [v]))
 
 
 def comm_seconds(node: fx.Node, world: int, link: LinkProfile) -> float:
@@ -76,7 +77,7 @@ def compute_seconds(node: fx.Node, link: LinkProfile) -> float:
     if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
         a, b = node.args[-2].meta.get("val"), node.args[-1].meta.get("val")
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return 2 * a.numel() * b.shape[-1] / link.matmul_flops
+            return 2 * _compat.size_hint(a.numel()) * _compat.size_hint(b.shape[-1]) / link.matmul_flops
     moved = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes)
     return moved / link.memory_bytes_s
 
@@ -211,13 +212,14 @@ class OverlapPass(_compat.CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         if not any(is_collective(n) for n in graph.nodes):
             return
-        if any(_symbolic(n) for n in graph.nodes):
-            self.log.add(Decision(self.graph_id, "overlap", "collectives", "rejected",
-                                  "dynamic shapes: collectives left in place", "", ()))
-            return
         body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         before = exposed(body, self.link)
-        if self.chunks != 1:
+        dynamic = any(_symbolic(n) for n in graph.nodes)
+        if dynamic and self.chunks != 1:
+            self.log.add(Decision(self.graph_id, "decompose_collectives", "collectives", "rejected",
+                                  "dynamic shapes: no chunked decomposition (chunk sizes need concrete dims); "
+                                  "the reorder prices sizes at their traced example", "", ()))
+        if self.chunks != 1 and not dynamic:
             for name, k, gain in decompose_all_gather_matmul(graph, self.link, self.chunks):
                 self.log.add(Decision(
                     self.graph_id, "decompose_all_gather_matmul", "collectives", "applied",

@@ -11,6 +11,20 @@ def test_every_private_symbol_resolves():
     assert torch.ops.aten._fused_rms_norm.default in _compat.CANONICAL_DECOMPOSITIONS
 
 
+def test_size_hint_reads_a_symbolic_size_without_a_guard():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    with _compat.FakeTensorMode(shape_env=env) as mode:
+        x = mode.from_tensor(torch.empty(12, 5), symbolic_context=None)
+    sym = env.create_unbacked_symint()
+    assert _compat.size_hint(sym, fallback=77) == 77
+    assert _compat.size_hint(7) == 7 and _compat.size_hint(x.shape[0]) == 12
+    backed = env.create_symintnode(env.create_symbol(9, ConstantSource("n")), hint=9)
+    assert _compat.size_hint(backed) == 9 and not env.guards
+
+
 def test_supported_torch_version():
     major, minor = (int(p) for p in torch.__version__.split(".")[:2])
     assert (major, minor) >= _compat.MIN_TORCH

@@ -75,6 +75,29 @@ def test_collective_issued_before_independent_compute_and_waited_after(one_rank_
     assert d.pattern == "overlap_all_reduce" and d.verdict == "applied" and "wait" in d.reason
 
 
+def test_dynamic_shapes_are_scheduled_at_their_traced_sizes(one_rank_group):
+    """dynamic=True: the reorder prices symbolic sizes at their example (no guard added) and still
+    issues the collective before the independent matmul; the chunked decomposition says why not;
+    a second size reuses the graph and stays correct."""
+    be = fc.backend()
+    fn = torch.compile(_reduce_then_independent_matmul, backend=be, dynamic=True)
+    for rows in (8, 11):
+        x, w, y = torch.randn(rows, 16), torch.randn(16, 16), torch.randn(rows + 20, 24)
+        torch.testing.assert_close(fn(x, w, y), _reduce_then_independent_matmul(x, w, y))
+    [graph] = be.overlap.graphs
+    assert any(isinstance(d, torch.SymInt) for n in graph.nodes if n.op == "placeholder"
+               for d in getattr(n.meta.get("val"), "shape", ()))
+    nodes = _names(graph)
+    pos = {n: i for i, n in enumerate(nodes)}
+    [coll] = [n for n in nodes if overlap.is_collective(n)]
+    [wait] = [n for n in nodes if overlap.is_wait(n)]
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default and pos[n] > pos[coll]]
+    assert mms and pos[coll] < pos[mms[0]] < pos[wait]
+    rows = {d.pattern: d for d in be.log.decisions if d.family == "collectives"}
+    assert rows["overlap_all_reduce"].verdict == "applied"
+    assert rows["decompose_collectives"].verdict == "rejected" and "dynamic shapes" in rows["decompose_collectives"].reason
+
+
 def _moe_dispatch_with_shared_expert(x, w_expert, w_shared):
     """MoE dispatch/combine by all-to-all around the routed expert, a shared expert beside it."""
     routed = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
