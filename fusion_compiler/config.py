@@ -43,8 +43,9 @@ class FusionConfig:
     HF causal LMs, for the memory of the LM head + loss: FusionConfig(drop_logits=True, prefer_memory=True).
     overlap_collectives: with the Inductor hand-off, schedule functional collectives (all-gather,
         reduce-scatter, all-reduce, all-to-all) to overlap with compute: overlap.py, a post-grad pass.
-    overlap_memory_budget: bytes of estimated live memory a collective issued early may not exceed
-        (None: no limit); past it, the collective keeps its place.
+    overlap_memory_budget: bytes of estimated live memory the schedule may not exceed (None: no
+        limit): a collective keeps its place when issuing it early would pass it, a wait comes
+        forward when the next op would; if the order still passes it, the graph keeps its own.
     overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
         overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
     """

@@ -131,9 +131,55 @@ def _mutation_order(body: list[fx.Node], index: dict) -> dict:
     return extra
 
 
+class _Live:
+    """Bytes alive along a schedule: a value lives from its node until its last user ran; a
+    collective's inputs stay alive until its wait (the communication reads them until then)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.uses = {n: len(n.users) for n in graph.nodes}
+        self.held: dict = {}  # wait -> the inputs of its collective
+        self.alias: dict = {}  # wait -> its collective (the wait returns the collective's buffer)
+        for c in graph.nodes:
+            if is_collective(c):
+                for w in _waits(c):
+                    self.alias[w] = c
+                    self.uses[c] += len(w.users)
+                for w in _waits(c)[:1]:
+                    self.held[w] = list(c.all_input_nodes)
+                    for a in c.all_input_nodes:
+                        self.uses[a] += 1
+        self.bytes = sum(_bytes(n) for n in graph.nodes if n.op in ("placeholder", "get_attr"))
+        self.peak = self.bytes
+
+    def _release(self, a: fx.Node) -> None:
+        a = self.alias.get(a, a)
+        self.uses[a] -= 1
+        if self.uses[a] == 0 and a.op != "placeholder":
+            self.bytes -= _bytes(a)
+
+    def run(self, n: fx.Node) -> None:
+        if n not in self.alias:
+            self.bytes += _bytes(n)
+            self.peak = max(self.peak, self.bytes)
+        for a in n.all_input_nodes:
+            self._release(a)
+        for a in self.held.get(n, ()):
+            self._release(a)
+
+
+def peak_bytes(graph: fx.Graph, order: list[fx.Node]) -> int:
+    """The estimated peak of live bytes when the body runs in `order`."""
+    live = _Live(graph)
+    for n in order:
+        live.run(n)
+    return live.peak
+
+
 def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
     """The new order of the graph's call_function nodes (placeholders and get_attrs stay first, the
-    output last)."""
+    output last). Collectives and what feeds them go first while the live bytes stay within the
+    budget; waits go last, unless the next node would take the live bytes over the budget: then a
+    ready wait runs first (it releases its collective's inputs)."""
     body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     index = {n: i for i, n in enumerate(body)}
     extra = _mutation_order(body, index)
@@ -145,19 +191,13 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
         for a in d:
             unblocks.setdefault(a, []).append(n)
     ready = {n for n, k in waiting.items() if k == 0}
-    remaining_uses = {n: len(n.users) for n in graph.nodes}
-    live = sum(_bytes(n) for n in graph.nodes if n.op in ("placeholder", "get_attr"))
+    live = _Live(graph)
     order = []
 
     def run(n):
-        nonlocal live
         order.append(n)
         ready.discard(n)
-        live += _bytes(n)
-        for a in n.all_input_nodes:
-            remaining_uses[a] -= 1
-            if remaining_uses[a] == 0 and a.op != "placeholder":
-                live -= _bytes(a)
+        live.run(n)
         for m in unblocks.get(n, ()):
             waiting[m] -= 1
             if waiting[m] == 0:
@@ -167,15 +207,23 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
     while ready:
         candidates = sorted(ready, key=index.get)
         early = [n for n in candidates if (is_collective(n) or n in feeds and not is_wait(n))
-                 and live + _bytes(n) <= budget_bytes]
+                 and live.bytes + _bytes(n) <= budget_bytes]
+        waits = [n for n in candidates if is_wait(n)]
         compute = [n for n in candidates if not is_wait(n)]
-        if early:  # collectives first, then what they wait on
-            run(next((n for n in early if is_collective(n)), early[0]))
-        elif compute:
-            run(compute[0])
+        # collectives first, then what they wait on, then other compute
+        pick = next((n for n in early if is_collective(n)), early[0]) if early else \
+            compute[0] if compute else None
+        if waits and (pick is None or live.bytes + _bytes(pick) > budget_bytes):
+            run(waits[0])  # only waits are ready, or the next node would pass the budget: release first
         else:
-            run(candidates[0])  # only waits are ready: the earliest one
-    return order if len(order) == len(body) else body  # (a dependency cycle: keep the graph's order)
+            run(pick)
+    if len(order) != len(body):  # a dependency cycle: keep the graph's order
+        return body
+    # greedy: an early collective's bytes may still pass the budget later; then the graph's own
+    # order, unless that peaks higher still
+    if budget_bytes < math.inf and peak_bytes(graph, body) < peak_bytes(graph, order) > budget_bytes:
+        return body
+    return order
 
 
 def apply_order(graph: fx.Graph, order: list[fx.Node]) -> None:

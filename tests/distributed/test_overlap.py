@@ -144,6 +144,35 @@ def test_memory_budget_keeps_the_collective_in_place(one_rank_group):
     torch.testing.assert_close(gm(x, w, y), fn(x, w, y))
 
 
+def test_memory_budget_also_brings_waits_forward(one_rank_group):
+    """A budget between the graph's own peak and the unbounded schedule's: the collective is still
+    issued first, but its wait (which releases the matmul output the communication holds) moves
+    before the independent matmul that would pass the budget; the estimated peak stays within it,
+    where the unbounded schedule exceeds it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x, w, y):
+        other = (y @ y.t()).relu().sum()  # first in program order, independent of the collective
+        reduced = funcol.all_reduce(x @ w, "sum", dist.group.WORLD)
+        return torch.tanh(reduced).sum() + other
+    args = (torch.randn(64, 16), torch.randn(16, 64), torch.randn(64, 24))
+    gm = make_fx(fn)(*args)
+    body = _names(gm.graph)
+    free = overlap.schedule(gm.graph)
+    budget = overlap.peak_bytes(gm.graph, body) + 20000  # the 64x64 fp32 product is 16384 B
+    bounded = overlap.schedule(gm.graph, budget_bytes=budget)
+    assert overlap.peak_bytes(gm.graph, bounded) <= budget < overlap.peak_bytes(gm.graph, free)
+    [coll] = [n for n in body if overlap.is_collective(n)]
+    [wait] = [n for n in body if overlap.is_wait(n)]
+    y = [n for n in gm.graph.nodes if n.op == "placeholder"][2]
+    independent = next(n for n in body if n.target is torch.ops.aten.mm.default and n.args[0] is y)
+    assert free.index(coll) < free.index(independent) < free.index(wait)
+    assert bounded.index(coll) < bounded.index(wait) < bounded.index(independent)
+    overlap.apply_order(gm.graph, bounded)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), fn(*args))
+
+
 def _tp_worker(rank, world, port, queue):
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
