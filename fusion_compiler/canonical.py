@@ -22,6 +22,8 @@ maps x.softmax(-1) / torch.softmax / F.softmax, x.pow(2) / x ** 2 / torch.square
                                                    depends on the operands' strides) -> matmul(a, b)
 Patterns are traced and canonicalized by the same code, so both sides meet in one form.
 """
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -260,6 +262,23 @@ def _functional_overload(target):
     return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
+def _shared(node: fx.Node) -> bool:
+    """Could a write into the node's output be seen through another value? Views and detach alias
+    their input (F.embedding's max_norm renorms the table through a detach); an in-place op's
+    output is its first argument, shared if that has other users or is itself shared; other ops
+    (and getitem of their tuples) write fresh memory."""
+    if node.op != "call_function":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.target is not operator.getitem
+    alias = next((r.alias_info for r in schema.returns if r.alias_info is not None), None)
+    if alias is None:
+        return False
+    base = node.args[0]
+    return not alias.is_write or not isinstance(base, fx.Node) or len(base.users) > 1 or _shared(base)
+
+
 def _negative_dims(node: fx.Node) -> None:
     pos, extra = _DIM_ARG[node.target]
     src = node.args[0]
@@ -448,7 +467,7 @@ def canonicalize(graph: fx.Graph) -> None:
         functional = _functional_overload(node.target)
         src = node.args[0] if node.args else None
         if (functional is not None and isinstance(src, fx.Node) and src.op == "call_function"
-                and len(src.users) == 1):
+                and len(src.users) == 1 and not _shared(src)):
             node.target = functional
         node.target = _SCALAR_TO_TENSOR.get(node.target, node.target)
         if node.target is aten.permute.default:

@@ -131,15 +131,27 @@ def _droppable(match, config, training: bool) -> tuple[list[fx.Node], set]:
     return ends, heads
 
 
-def _insertion_point(graph: fx.Graph, match, order: dict) -> fx.Node | None:
-    """The node after which the replacement goes: the region's last input (or the first node)."""
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def _insertion_point(graph: fx.Graph, match, order: dict) -> tuple[fx.Node | None, str]:
+    """(the node after which the replacement goes, or None and why not): after the region's last
+    input and after every in-place op that ran before the region (it may write into an input)."""
     inputs = [a for a in match.inputs if isinstance(a, fx.Node)]
-    last = max(inputs, key=lambda n: order[n]) if inputs else next(iter(graph.nodes))
+    first, end = min(order[n] for n in match.nodes), max(order[n] for n in match.nodes)
+    inside = set(match.nodes)
+    mutations = [n for n in graph.nodes if _mutates(n) and n not in inside and order[n] < end]
+    if any(order[m] > first for m in mutations):
+        return None, "an in-place op runs between the region's nodes"
+    candidates = inputs + mutations
+    last = max(candidates, key=lambda n: order[n]) if candidates else next(iter(graph.nodes))
     for out in match.outputs:
         for user in out.users:
             if user not in match.nodes and order[user] <= order[last]:
-                return None
-    return last
+                return None, "an output is used before the region's last input is computed"
+    return last, ""
 
 
 def _drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
@@ -219,10 +231,9 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
             decision, replacement, dropped, match = _decide(pattern, match, config, needs_grad, graph_id)
             if replacement is not None:
                 order = {n: i for i, n in enumerate(gm.graph.nodes)}
-                after = _insertion_point(gm.graph, match, order)
+                after, why = _insertion_point(gm.graph, match, order)
                 if after is None:
-                    decision = _row(graph_id, pattern, match, "near-miss",
-                                    "an output is used before the region's last input is computed")
+                    decision = _row(graph_id, pattern, match, "near-miss", why)
                 else:
                     _rewrite(gm, match, replacement, after, dropped)
                     needs_grad = _needs_grad(gm, grad_inputs)

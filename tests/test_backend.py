@@ -139,6 +139,34 @@ def test_kernel_that_fails_is_rejected_with_reason():
         fc.unregister_pattern("failing_tanh")
 
 
+def test_region_after_an_in_place_write_to_its_input_reads_the_written_value():
+    """The replacement goes after in-place ops that ran before the region (not right after the
+    region's inputs, where it would read x before the write through its view)."""
+    def fn(x, w):
+        x.view(-1).add_(1.0)  # (RMSNorm is blind to a scale: a shift)
+        return rms(x, w)
+    x, w = torch.randn(4, 32), torch.randn(32)
+    ours, ref = x.clone(), x.clone()
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    torch.testing.assert_close(torch.compile(fn, backend=be)(ours, w), fn(ref, w))
+    torch.testing.assert_close(ours, ref)
+    assert [d.verdict for d in be.log.decisions] == ["applied"]
+
+
+def test_in_place_write_between_the_regions_reads_is_a_near_miss():
+    """x read before and after a write through its view: one fused read cannot give both."""
+    def fn(x, w):
+        ms = x.pow(2).mean(-1, keepdim=True)
+        x.view(-1).add_(1.0)
+        return x * torch.rsqrt(ms + 1e-6) * w
+    x, w = torch.randn(4, 32), torch.randn(32)
+    ours, ref = x.clone(), x.clone()
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    torch.testing.assert_close(torch.compile(fn, backend=be)(ours, w), fn(ref, w))
+    [d] = be.log.decisions
+    assert d.verdict == "near-miss" and "in-place op runs between" in d.reason
+
+
 def test_search_function_that_cannot_run_at_the_inputs_is_a_near_miss():
     """A user pattern written for 2-D inputs meets a 3-D one: the loose match holds, the re-trace at
     the real shapes raises; that pattern records a near-miss and the graph still compiles."""

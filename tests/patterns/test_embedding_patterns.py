@@ -77,3 +77,23 @@ def test_cost_takes_the_llama_table_only_in_training_against_inductor():
     assert train.bytes_saved > 7 * 128256 * 2048  # 8VH of table traffic, less 4 bytes a token element
     for est in (estimate(torch.bfloat16, False), estimate(torch.float32, True), estimate(torch.bfloat16, True, "eager")):
         assert not est.profitable and est.bytes_saved == 0
+
+
+def test_max_norm_renorms_the_table_in_place_before_the_lookup():
+    """nn.Embedding(max_norm=...) renorms the looked-up rows of the table in place (through a
+    detach) before the lookup: the rewritten lookup reads the renormed rows, and the table changes
+    as in eager."""
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Embedding(30, 8, max_norm=1.0), torch.nn.Embedding(30, 8, max_norm=1.0)
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 30, (4, 5))
+    scale = torch.randn(8)
+    be = fc.FusionBackend(ALWAYS)
+    out = torch.compile(lambda i: (ours(i) * scale).sum(), backend=be)(ids)
+    out.backward()
+    want = (ref(ids) * scale).sum()
+    want.backward()
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(ours.weight, ref.weight)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+    assert [d.pattern for d in be.log.decisions if d.verdict == "applied"] == ["embedding"]
