@@ -140,14 +140,14 @@ class _Live:
         self.held: dict = {}  # wait -> the inputs of its collective
         self.alias: dict = {}  # wait -> its collective (the wait returns the collective's buffer)
         for c in graph.nodes:
-            if is_collective(c):
-                for w in _waits(c):
-                    self.alias[w] = c
-                    self.uses[c] += len(w.users)
-                for w in _waits(c)[:1]:
-                    self.held[w] = list(c.all_input_nodes)
-                    for a in c.all_input_nodes:
-                        self.uses[a] += 1
+            waits = _waits(c) if is_collective(c) else []
+            for w in waits:
+                self.alias[w] = c
+                self.uses[c] += len(w.users)
+            if waits:
+                self.held[waits[0]] = list(c.all_input_nodes)
+                for a in c.all_input_nodes:
+                    self.uses[a] += 1
         self.bytes = sum(_bytes(n) for n in graph.nodes if n.op in ("placeholder", "get_attr"))
         self.peak = self.bytes
 

@@ -61,14 +61,15 @@ def _smoothing(keep: float, per_class: float, vocab: int) -> float | None:
     return eps if abs(per_class * vocab - eps) <= 1e-6 * max(1.0, eps) else None
 
 
+def _smoothing_legal(keep: float, per_class: float, vocab: int) -> str | None:
+    if _smoothing(keep, per_class, vocab) is None:
+        return f"scalars {keep} and {per_class} are not 1 - eps and eps / {vocab} of one label smoothing"
+    return None
+
+
 def _smooth_legal(match) -> str | None:
     logits, _, _, keep, per_class = match.input_values()
-    why = _legal(match)
-    if why:
-        return why
-    if _smoothing(keep, per_class, logits.shape[-1]) is None:
-        return f"scalars {keep} and {per_class} are not 1 - eps and eps / {logits.shape[-1]} of one label smoothing"
-    return None
+    return _legal(match) or _smoothing_legal(keep, per_class, logits.shape[-1])
 
 
 def _linear_legal(match) -> str | None:
@@ -169,10 +170,7 @@ def _register_linear(reduction: str, bias: bool, softcap: bool, smoothed: bool) 
         if why or not smoothed:
             return why
         *_, keep, per_class = unpack(match.input_values())
-        v = match.tensor_inputs()[1].shape[0]
-        if _smoothing(keep, per_class, v) is None:
-            return f"scalars {keep} and {per_class} are not 1 - eps and eps / {v} of one label smoothing"
-        return None
+        return _smoothing_legal(keep, per_class, match.tensor_inputs()[1].shape[0])
 
     examples = [_H, _W, *([_B] if bias else []), _TARGET, IGNORE, *([CAP] if softcap else []),
                 *([KEEP, SMOOTH_PER_CLASS] if smoothed else [])]
