@@ -9,12 +9,13 @@ import traceback
 import torch
 import torch.fx as fx
 
-from . import _compat, engine, overlap
+from . import _compat, engine, overlap, state_update
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
 from .constants import EXAMPLE
 from .decisions import Decision, DecisionLog
+from .pattern import registered_patterns
 
 
 class FusionBackend:
@@ -30,6 +31,10 @@ class FusionBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gid = self.graphs
         self.graphs += 1
+        if state_update.is_update(gm):
+            compiled = self._state_update(gm, example_inputs, gid)
+            if compiled is not None:
+                return compiled
         try:
             aten_gm, _ = to_aten(gm, example_inputs)
             training = torch.is_grad_enabled()
@@ -59,6 +64,44 @@ class FusionBackend:
             self._fallback(gid, f"{self.config.handoff} failed on the rewritten graph, compiled the original "
                                 f"instead: {type(e).__name__}: {str(e)[:300]}")
             return self._handoff(gm, example_inputs)
+
+    def _state_update(self, gm: fx.GraphModule, example_inputs, gid: int):
+        """An in-place update outside autograd (an optimizer step): its lanes become multi-tensor
+        launches (patterns/optimizer.py); tensors Dynamo holds as attributes are passed as trailing
+        inputs. None when no lane was fused (the graph then takes the usual path)."""
+        from fusion_compiler.patterns import optimizer
+        self.config.check_names(registered_patterns() + list(optimizer.DESCRIPTORS))
+        try:
+            lifted, values, attributes = state_update.lift(gm)
+            inputs = [*example_inputs, *values]
+            grads = state_update.gradient_inputs([*example_inputs, *attributes])
+            aten_gm = state_update.trace(lifted, inputs)
+            applied = optimizer.rewrite(aten_gm, inputs, grads, self.config, self.log, gid)
+        except Unsupported as e:
+            self._fallback(gid, str(e))
+            return None
+        except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
+            self._fallback(gid, f"internal error, update left to {self.config.handoff}: {type(e).__name__}: {e}\n"
+                                f"{traceback.format_exc(limit=4)}")
+            return None
+        if not applied:
+            return None
+        self.rewritten.append(aten_gm)
+        try:
+            # outside Dynamo's tracing context: its shape environment holds the symbol of a float
+            # hyper-parameter read with .item(), which this graph reads as a tensor instead (AOT would
+            # take the missing symbol for a specialization and restart Dynamo with the float baked in)
+            with _compat.tracing(None), torch.no_grad():
+                compiled = self._handoff(aten_gm, inputs, gid)
+        except Exception as e:  # noqa: BLE001
+            self._fallback(gid, f"{self.config.handoff} failed on the rewritten update, compiled the original "
+                                f"instead: {type(e).__name__}: {str(e)[:300]}")
+            return self._handoff(gm, example_inputs)
+
+        def step(*args):
+            with torch.no_grad():
+                return compiled(*args, *values)
+        return step
 
     def _fallback(self, gid: int, reason: str) -> None:
         self.log.add(Decision(gid, "-", "-", "fallback", reason, "", ()))

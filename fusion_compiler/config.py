@@ -46,6 +46,10 @@ class FusionConfig:
     overlap_memory_budget: bytes of estimated live memory the schedule may not exceed (None: no
         limit): a collective keeps its place when issuing it early would pass it, a wait comes
         forward when the next op would; if the order still passes it, the graph keeps its own.
+    skip_clipped_grad_store: in an optimizer step fused with a global-norm gradient clip (one graph),
+        do not write the clipped gradients back: p.grad keeps its unclipped values after the step, the
+        update uses the clipped ones. Saves one write of every gradient; only for training loops that
+        do not read p.grad after the step. Off by default (p.grad ends as eager leaves it).
     overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
         overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
     """
@@ -63,6 +67,7 @@ class FusionConfig:
     overlap_collectives: bool = True
     overlap_memory_budget: Optional[float] = None
     overlap_chunks: Optional[int] = None
+    skip_clipped_grad_store: bool = False
 
     def __post_init__(self):
         for name in ("families", "patterns"):

@@ -268,3 +268,19 @@ def estimate_embedding(match, ctx: CostContext) -> Estimate:
     return Estimate(ours / bw + 3 * p.launch_s, theirs / bw, ours, theirs, ctx.baseline,
                     f"table gradient accumulated without Inductor's {v}x{h} fp32 copy: "
                     f"~{4 * v * h / 2**30:.2f} GiB less peak memory")
+
+
+def estimate_multi_tensor(ours_bytes: int, eager_bytes: int, eager_ops: int, lanes: int,
+                          ctx: CostContext) -> Estimate:
+    """A multi-tensor update (an optimizer step): one launch over all lanes, each slot read once and
+    each written slot written once. Inductor fuses each lane's update into one kernel too (the same
+    bytes) but launches per lane; eager launches every op of every lane and moves every intermediate."""
+    p = ctx.profile
+    eff = p.default_efficiency
+    ours_s = p.launch_s + ours_bytes / (p.bandwidth * eff)
+    if ctx.baseline == "inductor":
+        base_bytes, base_s = ours_bytes, lanes * p.launch_s + ours_bytes / (p.bandwidth * eff)
+    else:
+        base_bytes = eager_bytes
+        base_s = eager_ops * p.launch_s + eager_bytes / (p.bandwidth * p.eager_efficiency)
+    return Estimate(ours_s, base_s, ours_bytes, base_bytes, ctx.baseline, note=f"{lanes} lanes")

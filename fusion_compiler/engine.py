@@ -213,8 +213,9 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
+    from fusion_compiler.patterns.optimizer import DESCRIPTORS  # the optimizer family's names (backend.py)
     patterns = registered_patterns()
-    config.check_names(patterns)
+    config.check_names(patterns + list(DESCRIPTORS))
     needs_grad = _needs_grad(gm, grad_inputs)
     applied = 0
     for pattern in patterns:

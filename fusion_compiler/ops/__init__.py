@@ -14,7 +14,10 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.linear_cross_entropy_backward(h, w, b, target, dloss, ignore_index, label_smoothing,
                                                    softcap)  -> (dh, dw, db) of per-token losses
     torch.ops.fusion.embedding(weight, indices, padding_idx)  -> weight[indices]; ATen's own backward
+    torch.ops.fusion.multi_tensor_apply(program, reads, writes, scalars)  -> None: a lane program
+                                                            over many tensors, in place, one launch
+    torch.ops.fusion.multi_tensor_sum_squares(tensors)      -> each tensor's sum of squares, one launch
 """
-from . import elementwise, embedding, loss, norm  # noqa: F401  (registers the ops)
+from . import elementwise, embedding, loss, multi_tensor, norm  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES
