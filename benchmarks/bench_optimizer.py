@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--for-loop", action="store_true", help="compile the for-loop spelling instead of foreach")
     ap.add_argument("--blocks", nargs="*", default=["2048x4"],
                     help="fusion kernel BLOCKxWARPS: all are timed in mode fusion, the first elsewhere")
+    ap.add_argument("--evict", nargs="*", default=[""], help="load eviction policies to time in mode fusion")
     ap.add_argument("--modes", nargs="*", default=[
         "for_loop", "foreach", "fused", "inductor", "fusion",
         "clip2+foreach", "clip2+inductor", "clip2+fusion",
@@ -111,10 +112,13 @@ def main():
     n = sum(p.numel() for p in params)
     rows = []
     for mode in args.modes:
-        blocks = args.blocks if mode == "fusion" else [args.blocks[0]] if "fusion" in mode else [None]
-        for block in blocks:
+        blocks = [(b, e) for b in args.blocks for e in args.evict] if mode == "fusion" else \
+            [(args.blocks[0], args.evict[0])] if "fusion" in mode else [(None, "")]
+        for block, evict in blocks:
             if block:
                 multi_tensor.BLOCK, multi_tensor.WARPS = map(int, block.split("x"))
+                multi_tensor.EVICT = evict
+                block += f" {evict}" if evict else ""
             torch.compiler.reset()
             work = clone_params(params)
             step, opt, be = make_step(mode, work, args.for_loop)

@@ -102,36 +102,60 @@ def _ref(ref) -> str:
     return f"{kind}{value}"
 
 
-def source(program: Program) -> str:
-    """The Triton source of the program's kernel."""
-    n_slots = len(program.reads) + len(program.writes)
-    lines = [
-        "import triton", "import triton.language as tl", "", "", _ROUND_BF16, "", "", "@triton.jit",
-        "def multi_tensor_kernel(PTRS, BLOCK_LANE, BLOCK_START, NUMELS, SCALARS, n_lanes, BLOCK: tl.constexpr):",
-        "    pid = tl.program_id(0)",
-        "    lane = tl.load(BLOCK_LANE + pid)",
-        "    offs = tl.load(BLOCK_START + pid) + tl.arange(0, BLOCK)",
-        "    mask = offs < tl.load(NUMELS + lane)",
-        f"    base = PTRS + lane * {n_slots}",
-    ]
-    used = {ref for _, refs, _ in program.steps for ref in refs} | {ref for _, ref in program.stores}
-    slots = [("r", j, dt) for j, dt in enumerate(program.reads)] + [("w", j, dt) for j, dt in enumerate(program.writes)]
-    for position, (kind, j, dt) in enumerate(slots):
-        lines.append(f"    {kind}{j}_ptr = tl.load(base + {position}).to(tl.pointer_type({_TL[dt]}))")
-        if (kind, j) in used:
-            lines.append(f"    {kind}{j} = tl.load({kind}{j}_ptr + offs, mask=mask, other=0.0).to(tl.float32)")
-    for j in range(program.n_scalars):
-        if ("s", j) in used:
-            lines.append(f"    s{j} = tl.load(SCALARS + {j} * n_lanes + lane)")
+_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _body(program: Program, used: set, mask: str, indent: str) -> list:
+    """Loads, steps and stores of one block (mask: "" for a full block)."""
+    load_mask = (f", mask={mask}, other=0.0" if mask else "") + (f", eviction_policy='{EVICT}'" if EVICT else "")
+    store_mask = f", mask={mask}" if mask else ""
+    lines = []
+    for kind, dtypes in (("r", program.reads), ("w", program.writes)):
+        for j in range(len(dtypes)):
+            if (kind, j) in used:
+                lines.append(f"{kind}{j} = tl.load(p_{kind}{j}{load_mask}).to(tl.float32)")
     for k, (op, refs, dt) in enumerate(program.steps):
         expr = _OPS[op](*[_ref(r) for r in refs])
         if dt == "bfloat16":  # eager rounds each op's result to its dtype
             expr = f"_round_bf16({expr})"
         elif dt == "float16":
             expr = f"({expr}).to(tl.float16).to(tl.float32)"
-        lines.append(f"    v{k} = {expr}")
+        lines.append(f"v{k} = {expr}")
     for j, ref in program.stores:
-        lines.append(f"    tl.store(w{j}_ptr + offs, ({_ref(ref)}).to({_TL[program.writes[j]]}), mask=mask)")
+        lines.append(f"tl.store(p_w{j}, ({_ref(ref)}).to({_TL[program.writes[j]]}){store_mask})")
+    return [indent + line for line in lines]
+
+
+def source(program: Program) -> str:
+    """The Triton source of the program's kernel. Each slot is addressed as BASE_<dtype> + its
+    element offset from a table: the typed base pointers are kernel arguments, so with ALIGNED
+    (every base 16-byte aligned, every offset a multiple of 16 bytes) Triton can vectorize the loads
+    and stores; full blocks run without a mask, the lane's last block with one."""
+    slots = [("r", j, dt) for j, dt in enumerate(program.reads)] + [("w", j, dt) for j, dt in enumerate(program.writes)]
+    bases = ", ".join(f"BASE_{dt}" for dt in sorted({dt for _, _, dt in slots}))
+    lines = [
+        "import triton", "import triton.language as tl", "", "", _ROUND_BF16, "", "", "@triton.jit",
+        f"def multi_tensor_kernel({bases}, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, SCALARS, n_lanes,",
+        "                        BLOCK: tl.constexpr, ALIGNED: tl.constexpr):",
+        "    pid = tl.program_id(0)",
+        "    lane = tl.load(BLOCK_LANE + pid)",
+        "    start = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK)",
+        "    numel = tl.load(NUMELS + lane)",
+        "    offs = start + tl.arange(0, BLOCK)",
+    ]
+    for position, (kind, j, dt) in enumerate(slots):
+        lines += [f"    o_{kind}{j} = tl.load(OFFSETS + lane * {len(slots)} + {position})",
+                  "    if ALIGNED:",
+                  f"        o_{kind}{j} = tl.multiple_of(o_{kind}{j}, {16 // _SIZE[dt]})",
+                  f"    p_{kind}{j} = BASE_{dt} + o_{kind}{j} + offs"]
+    used = {ref for _, refs, _ in program.steps for ref in refs} | {ref for _, ref in program.stores}
+    for j in range(program.n_scalars):
+        if ("s", j) in used:
+            lines.append(f"    s{j} = tl.load(SCALARS + {j} * n_lanes + lane)")
+    lines.append("    if start + BLOCK <= numel:")
+    lines += _body(program, used, "", " " * 8)
+    lines += ["    else:", "        mask = offs < numel"]
+    lines += _body(program, used, "mask", " " * 8)
     return "\n".join(lines) + "\n"
 
 
@@ -141,7 +165,7 @@ _DIR = os.path.join(tempfile.gettempdir(), f"fusion_compiler_kernels_{os.getuid(
 
 def kernel(program: Program):
     """The compiled (jit) kernel of a program; its source is written to a file so Triton can read it."""
-    text = program.text()
+    text = program.text() + EVICT
     if text not in _KERNELS:
         src = source(program)
         name = "mt_" + hashlib.sha1(src.encode()).hexdigest()[:20]
@@ -164,7 +188,8 @@ def block_size() -> tuple[int, int]:
     return (4096, 4) if interpreting() else (BLOCK, WARPS)
 
 
-BLOCK, WARPS = 2048, 4  # benchmarks/bench_optimizer.py measures the alternatives
+BLOCK, WARPS = 1024, 4  # benchmarks/bench_optimizer.py measures the alternatives
+EVICT = ""  # load eviction policy ("" or "evict_first"; measured by bench_optimizer.py --evict)
 
 _TABLES: dict = {}
 
@@ -185,21 +210,71 @@ def _block_table(numels: tuple, block: int, device: torch.device):
     return _TABLES[key]
 
 
-_POINTERS: dict = {}
+_OFFSETS: dict = {}
 
 
-def _pointer_table(tensors: list, device: torch.device) -> torch.Tensor:
-    """The int64 addresses of the lanes' tensors, lane-major, cached by the addresses (parameters and
-    optimizer state keep theirs from step to step; gradients set to None by zero_grad get new ones)."""
-    addresses = (device, *(t.data_ptr() for t in tensors))
-    if addresses not in _POINTERS:
-        if len(_POINTERS) >= 64:
-            _POINTERS.clear()
-        table = torch.tensor(addresses[1:], dtype=torch.int64)
-        if device.type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
-        _POINTERS[addresses] = table
-    return _POINTERS[addresses]
+def _offset_table(tensors: list, device: torch.device):
+    """(typed base tensors by dtype, int64 element offsets of the tensors from their dtype's base,
+    ALIGNED) or None when a tensor is not a whole number of elements away from its base. Cached by
+    the addresses (parameters and optimizer state keep theirs from step to step; gradients set to
+    None by zero_grad get new ones); only addresses are kept, never tensors."""
+    bases = {}
+    for t in tensors:
+        if t.numel() and t.dtype not in bases:
+            bases[t.dtype] = t
+    key = (device, *((t.data_ptr(), t.dtype, t.numel() == 0) for t in tensors))  # what the offsets depend on
+    if key not in _OFFSETS:
+        if len(_OFFSETS) >= 64:
+            _OFFSETS.clear()
+        base_addr = {dt: b.data_ptr() for dt, b in bases.items()}
+        offsets, aligned = [], all(a % 16 == 0 for a in base_addr.values())
+        for t in tensors:
+            if not t.numel():
+                offsets.append(0)
+                continue
+            delta = t.data_ptr() - base_addr[t.dtype]
+            if delta % t.element_size():
+                _OFFSETS[key] = None
+                break
+            offsets.append(delta // t.element_size())
+            aligned = aligned and delta % 16 == 0
+        else:
+            table = torch.tensor(offsets, dtype=torch.int64)
+            if device.type == "cuda":
+                table = table.pin_memory().to(device, non_blocking=True)
+            _OFFSETS[key] = (table, aligned)
+    entry = _OFFSETS[key]
+    return None if entry is None else (bases, *entry)
+
+
+_TORCH_OPS = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg, "abs": torch.abs,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "exp": torch.exp, "log": torch.log,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "sign": torch.sign, "maximum": torch.maximum,
+    "minimum": torch.minimum, "fma": lambda a, b, c: a * b + c, "lerp": torch.lerp, "where": torch.where,
+    "gt": torch.gt, "lt": torch.lt, "ge": torch.ge, "le": torch.le, "eq": torch.eq, "ne": torch.ne,
+    "cast": lambda a: a,
+}
+
+
+def apply_eager(program: Program, reads: list, writes: list, scalars: torch.Tensor) -> None:
+    """The program with torch ops, lane by lane (tensors the kernel cannot address; a reference)."""
+    n_r, n_w = len(program.reads), len(program.writes)
+    for lane in range(len(writes) // n_w):
+        env = {("r", j): t.float() for j, t in enumerate(reads[lane * n_r:(lane + 1) * n_r])}
+        env.update({("w", j): t.float() for j, t in enumerate(writes[lane * n_w:(lane + 1) * n_w])})
+        env.update({("s", j): scalars[j, lane] for j in range(program.n_scalars)})
+
+        def val(ref):
+            return torch.tensor(ref[1], dtype=torch.float32) if ref[0] == "c" else env[ref]
+        for k, (op, refs, dt) in enumerate(program.steps):
+            args = [val(r) for r in refs]
+            if op == "lerp":
+                args[2] = args[2].expand_as(args[0]) if args[2].dim() == 0 else args[2]
+            result = _TORCH_OPS[op](*args)
+            env[("v", k)] = result if dt in ("float32", "bool") else result.to(DTYPES[dt]).float()
+        for j, ref in program.stores:
+            writes[lane * n_w + j].copy_(val(ref))
 
 
 def apply(program: Program, reads: list, writes: list, scalars: torch.Tensor) -> None:
@@ -215,11 +290,16 @@ def apply(program: Program, reads: list, writes: list, scalars: torch.Tensor) ->
     if sum(numels) == 0:
         return
     device = writes[0].device
+    addressing = _offset_table(lane_tensors, device)
+    if addressing is None:
+        apply_eager(program, reads, writes, scalars)
+        return
+    bases, offsets, aligned = addressing
     block, warps = block_size()
     block_lane, block_start, numel_t, _ = _block_table(numels, block, device)
-    pointers = _pointer_table(lane_tensors, device)
-    kernel(program)[(block_lane.numel(),)](pointers, block_lane, block_start, numel_t, scalars, n_lanes,
-                                           BLOCK=block, num_warps=warps)
+    typed = [bases[DTYPES[dt]] for dt in sorted({*program.reads, *program.writes})]
+    kernel(program)[(block_lane.numel(),)](*typed, offsets, block_lane, block_start, numel_t, scalars, n_lanes,
+                                           BLOCK=block, ALIGNED=aligned, num_warps=warps)
 
 
 def verify(program: Program, device: torch.device) -> None:
@@ -233,12 +313,20 @@ def verify(program: Program, device: torch.device) -> None:
 
 
 @triton.jit
-def _sum_squares_kernel(PTRS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+def _sum_squares_kernel(BASE, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL, BLOCK: tl.constexpr,
+                        ALIGNED: tl.constexpr, VEC: tl.constexpr):
     pid = tl.program_id(0)
     lane = tl.load(BLOCK_LANE + pid)
-    offs = tl.load(BLOCK_START + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(NUMELS + lane)
-    x = tl.load(tl.load(PTRS + lane).to(tl.pointer_type(DTYPE)) + offs, mask=mask, other=0.0).to(tl.float32)
+    start = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK)
+    numel = tl.load(NUMELS + lane)
+    offset = tl.load(OFFSETS + lane)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, VEC)
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        x = tl.load(BASE + offset + offs).to(tl.float32)
+    else:
+        x = tl.load(BASE + offset + offs, mask=offs < numel, other=0.0).to(tl.float32)
     tl.store(PARTIAL + pid, tl.sum(x * x, axis=0))
 
 
@@ -254,21 +342,21 @@ def _lane_sum_kernel(PARTIAL, FIRST, OUT, MAX_BLOCKS: tl.constexpr):
     tl.store(OUT + lane, tl.sum(acc, axis=0))
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def sum_squares(tensors: list) -> torch.Tensor:
     """fp32 [len(tensors)]: each tensor's sum of squares (all of one dtype, contiguous), one pass."""
     device = tensors[0].device
     numels = tuple(t.numel() for t in tensors)
     out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    addressing = _offset_table(tensors, device)
+    if sum(numels) == 0 or addressing is None:
+        return out if sum(numels) == 0 else torch.stack([(t.float() ** 2).sum() for t in tensors])
+    bases, offsets, aligned = addressing
     block, warps = block_size()
     block_lane, block_start, numel_t, first = _block_table(numels, block, device)
     n_blocks = block_lane.numel()
-    if n_blocks == 0:
-        return out
     partial = torch.empty(n_blocks, dtype=torch.float32, device=device)
-    _sum_squares_kernel[(n_blocks,)](_pointer_table(tensors, device), block_lane, block_start, numel_t, partial,
-                                     BLOCK=block, DTYPE=_TL_DTYPES[tensors[0].dtype], num_warps=warps)
+    _sum_squares_kernel[(n_blocks,)](bases[tensors[0].dtype], offsets, block_lane, block_start, numel_t, partial,
+                                     BLOCK=block, ALIGNED=aligned, VEC=16 // tensors[0].element_size(),
+                                     num_warps=warps)
     _lane_sum_kernel[(len(tensors),)](partial, first, out, MAX_BLOCKS=1024)
     return out
