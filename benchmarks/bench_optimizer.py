@@ -100,9 +100,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--for-loop", action="store_true", help="compile the for-loop spelling instead of foreach")
-    ap.add_argument("--blocks", nargs="*", default=["2048x4"],
-                    help="fusion kernel BLOCKxWARPS: all are timed in mode fusion, the first elsewhere")
-    ap.add_argument("--evict", nargs="*", default=[""], help="load eviction policies to time in mode fusion")
+    ap.add_argument("--blocks", nargs="*", default=["1024x4:4096x8"],
+                    help="BLOCKxWARPS[:NORM_BLOCKxNORM_WARPS]: all are timed in the fusion modes named by "
+                         "--sweep, the first elsewhere")
+    ap.add_argument("--sweep", nargs="*", default=["fusion"], help="modes timed with every --blocks entry")
     ap.add_argument("--modes", nargs="*", default=[
         "for_loop", "foreach", "fused", "inductor", "fusion",
         "clip2+foreach", "clip2+inductor", "clip2+fusion",
@@ -112,13 +113,13 @@ def main():
     n = sum(p.numel() for p in params)
     rows = []
     for mode in args.modes:
-        blocks = [(b, e) for b in args.blocks for e in args.evict] if mode == "fusion" else \
-            [(args.blocks[0], args.evict[0])] if "fusion" in mode else [(None, "")]
-        for block, evict in blocks:
-            if block:
-                multi_tensor.BLOCK, multi_tensor.WARPS = map(int, block.split("x"))
-                multi_tensor.EVICT = evict
-                block += f" {evict}" if evict else ""
+        blocks = args.blocks if mode in args.sweep else [args.blocks[0]] if "fusion" in mode else [None]
+        for block in blocks:
+            if block:  # BLOCKxWARPS[:NORM_BLOCKxNORM_WARPS]
+                tile, _, norm = block.partition(":")
+                multi_tensor.BLOCK, multi_tensor.WARPS = map(int, tile.split("x"))
+                if norm:
+                    multi_tensor.NORM_BLOCK, multi_tensor.NORM_WARPS = map(int, norm.split("x"))
             torch.compiler.reset()
             work = clone_params(params)
             step, opt, be = make_step(mode, work, args.for_loop)

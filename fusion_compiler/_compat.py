@@ -34,6 +34,9 @@ def size_hint(x, fallback: int = 4096) -> int:
 
 # ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
 # that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
+# the function Dynamo records for a grad-mode change inside a graph (torch.optim's step, no_grad)
+set_grad_enabled = torch._C._set_grad_enabled
+
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
@@ -48,6 +51,7 @@ __all__ = [
     "compile_fx",
     "detect_fake_mode",
     "get_hash_for_files",
+    "set_grad_enabled",
     "size_hint",
     "tracing",
 ]

@@ -35,6 +35,8 @@ class FusionBackend:
             compiled = self._state_update(gm, example_inputs, gid)
             if compiled is not None:
                 return compiled
+            if state_update.has_tensor_attributes(gm):  # an optimizer step left as it is (rows say why)
+                return self._handoff(gm, example_inputs)
         try:
             aten_gm, _ = to_aten(gm, example_inputs)
             training = torch.is_grad_enabled()
@@ -76,7 +78,8 @@ class FusionBackend:
             inputs = [*example_inputs, *values]
             grads = state_update.gradient_inputs([*example_inputs, *attributes])
             aten_gm = state_update.trace(lifted, inputs)
-            applied = optimizer.rewrite(aten_gm, inputs, grads, self.config, self.log, gid)
+            foreach = state_update.uses_foreach(gm)
+            applied = optimizer.rewrite(aten_gm, inputs, grads, foreach, self.config, self.log, gid)
         except Unsupported as e:
             self._fallback(gid, str(e))
             return None

@@ -18,6 +18,7 @@ one chain per parameter (for-loop spelling). Here:
 """
 import dataclasses
 import itertools
+import operator
 
 import torch
 import torch.fx as fx
@@ -31,13 +32,17 @@ aten = torch.ops.aten
 
 
 # --- 1. lift -----------------------------------------------------------------------------------------
+def has_tensor_attributes(gm: fx.GraphModule) -> bool:
+    return any(n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor) for n in gm.graph.nodes)
+
+
 def is_update(gm: fx.GraphModule) -> bool:
     """Is the graph an in-place update outside autograd (an optimizer step, a gradient clip): does it
     write its inputs or the tensors it holds as attributes (Dynamo's view of an optimizer's state)
     with grad disabled (on entry, or by its first op, as torch.optim's step and no_grad blocks do)?"""
     nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     grad_off = not torch.is_grad_enabled() or (
-        bool(nodes) and nodes[0].target is torch._C._set_grad_enabled and nodes[0].args == (False,))
+        bool(nodes) and nodes[0].target is _compat.set_grad_enabled and nodes[0].args == (False,))
     if not grad_off:
         return False
     tensors = {n for n in gm.graph.nodes if n.op == "placeholder"} | \
@@ -52,7 +57,7 @@ def is_update(gm: fx.GraphModule) -> bool:
     return False
 
 
-_IADD = {getattr(__import__("operator"), name) for name in ("iadd", "isub", "imul", "itruediv")}
+_IADD = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
 def lift(gm: fx.GraphModule) -> tuple[fx.GraphModule, list, list]:
@@ -86,6 +91,11 @@ def _foreach_name(target) -> str | None:
     name = getattr(target, "__name__", "")
     name = name.split(".")[0]
     return name if name.startswith("_foreach_") else None
+
+
+def uses_foreach(gm: fx.GraphModule) -> bool:
+    """Is the update spelled with torch._foreach_* ops (Inductor groups those into fewer kernels)?"""
+    return any(n.op == "call_function" and _foreach_name(n.target) for n in gm.graph.nodes)
 
 
 def _lane_args(values, i: int, n: int):
@@ -243,11 +253,12 @@ def values_of(gm: fx.GraphModule) -> Values:
 class Lane:
     """One tensor's update: the inputs it reads and writes, its scalars, and its program."""
     writes: list  # placeholders written, in slot order
-    reads: list  # placeholders only read
+    reads: list  # placeholders only read (or written by the graph, but not stored: `unstored`)
     scalars: list  # 0-dim Values read
     values: list  # its tensor Values, in graph order
     program: Program | None = None
     reason: str = ""  # why it cannot be fused ("" when it can)
+    unstored: list = dataclasses.field(default_factory=list)  # written by the graph, not by the kernel
 
 
 def _tensor_values(v, out: set, scalars: list) -> None:

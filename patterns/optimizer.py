@@ -60,26 +60,24 @@ def _lane_reason(lane, example: dict) -> str:
     return ""
 
 
-def _bytes(lane, example: dict) -> tuple[int, int, int]:
-    """(ours, eager, eager ops): ours reads each slot once and writes each written slot once; eager
-    reads the tensor arguments of each op and writes its result."""
+def _bytes(lane, example: dict) -> tuple[int, int, int, int]:
+    """(ours, Inductor, eager, eager ops): ours reads each slot once and writes each written slot
+    once; Inductor also stores what we leave unstored; eager reads the tensor arguments of each op
+    and writes its result."""
     numel = example[lane.writes[0]].numel()
-    slots = [example[ph] for ph in lane.reads + lane.writes]
-    ours = sum(t.element_size() for t in slots) * numel + sum(example[ph].element_size() for ph in lane.writes) * numel
+    ours = sum(example[ph].element_size() for ph in lane.reads + lane.writes * 2) * numel
+    inductor = ours + sum(example[ph].element_size() for ph in lane.unstored) * numel
     eager = 0
     for v in lane.values:
         args = [a for a in state_update._flat((v.args, tuple(v.kwargs.values())))
                 if isinstance(a, state_update.Value) and a.is_tensor]
         eager += (len(args) + 1) * numel * (v.node.meta["val"].element_size())
-    return ours, eager, len(lane.values)
+    return ours, inductor, eager, len(lane.values)
 
 
-def _estimate(group, example, ctx) -> cost.Estimate:
-    ours = eager = ops = 0
-    for lane in group:
-        o, e, n = _bytes(lane, example)
-        ours, eager, ops = ours + o, eager + e, ops + n
-    return cost.estimate_multi_tensor(ours, eager, ops, len(group), ctx)
+def _estimate(group, example, foreach: bool, ctx) -> cost.Estimate:
+    totals = [sum(values) for values in zip(*(_bytes(lane, example) for lane in group))]
+    return cost.estimate_multi_tensor(*totals, len(group), foreach, ctx)
 
 
 def _kernel_failure(program, device) -> str | None:
@@ -90,17 +88,18 @@ def _kernel_failure(program, device) -> str | None:
     return None
 
 
-def rewrite(gm: fx.GraphModule, example_inputs, grads: set, config, log, gid: int) -> int:
-    """Fuse the lanes of a traced update graph (grads: positions of the inputs that are gradients);
-    returns how many groups were rewritten."""
+def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, config, log, gid: int) -> int:
+    """Fuse the lanes of a traced update graph (grads: positions of the inputs that are gradients;
+    foreach: the graph was spelled with foreach ops); returns how many groups were rewritten."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = dict(zip(placeholders, example_inputs))
     gradients = {placeholders[i] for i in grads}
     vals = state_update.values_of(gm)
-    candidates, rows = [], []
+    candidates, rows, rejected = [], [], {}
     for lane in state_update.lanes(vals):
         if config.skip_clipped_grad_store and any(ph not in gradients for ph in lane.writes):
-            lane.reads += [ph for ph in lane.writes if ph in gradients]  # read, no longer stored
+            lane.unstored = [ph for ph in lane.writes if ph in gradients]
+            lane.reads += lane.unstored  # read, no longer stored
             lane.writes = [ph for ph in lane.writes if ph not in gradients]
         try:
             lane.program = state_update.program_of(lane, vals)
@@ -108,9 +107,10 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, config, log, gid: in
             lane.reason = str(e)
         lane.reason = lane.reason or _lane_reason(lane, example)
         if lane.reason:
-            rows.append(("optimizer_update", "rejected", lane.reason, [lane]))
+            rejected.setdefault(lane.reason, []).append(lane)
         else:
             candidates.append(lane)
+    rows += [("optimizer_update", "rejected", reason, lanes) for reason, lanes in rejected.items()]
     groups: dict = {}
     for lane in candidates:
         groups.setdefault((lane.program.text(), example[lane.writes[0]].device), []).append(lane)
@@ -131,10 +131,11 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, config, log, gid: in
         if failure:
             rows.append((name, "rejected", failure, group))
             continue
-        estimate = _estimate(group, example, ctx)
+        estimate = _estimate(group, example, foreach, ctx)
         if config.cost_model == "always" or estimate.profitable:
             applied.append(group)
-            rows.append((name, "applied", f"{len(group)} tensors, one launch: {estimate.reason()}", group, estimate))
+            forced = "cost model off (cost_model='always'); " if config.cost_model == "always" else ""
+            rows.append((name, "applied", f"{forced}one launch: {estimate.reason()}", group, estimate))
         else:
             rows.append((name, "rejected", estimate.reason(), group, estimate))
     if applied:

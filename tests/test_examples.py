@@ -22,5 +22,6 @@ def test_custom_pattern_example():
 
 def test_demo_trains_and_prints_decisions():
     out = _run("train_llama.py", "--steps", "2")
-    assert "13 candidates: 13 applied" in out
+    assert "14 candidates: 14 applied" in out  # 13 regions of the model, the AdamW step
+    assert "optimizer_adam             applied" in out
     assert "add_rms_norm      applied" in out and "glu_silu          rejected" in out

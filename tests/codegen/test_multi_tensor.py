@@ -147,9 +147,13 @@ def test_unrolled_foreach_matches_torch_foreach(name, make):
             torch.testing.assert_close(a, b)
 
 
-def test_unaligned_views_and_the_torch_reference_agree():
+@pytest.mark.parametrize("tiles", [None, (64, 2)], ids=["interpreter_blocks", "gpu_sized_blocks"])
+def test_unaligned_views_and_the_torch_reference_agree(tiles, monkeypatch):
     """Lanes that start 4 bytes past a 16-byte boundary (views at storage offset 1) take the kernel
-    without alignment hints; the same program through apply_eager (the torch fallback) agrees."""
+    without alignment hints; the same program through apply_eager (the torch fallback) agrees. Also
+    with small blocks (many per lane, as on a GPU)."""
+    if tiles:
+        monkeypatch.setattr(multi_tensor, "block_size", lambda: tiles)
     steps = (("lerp", (("w", 0), ("r", 0), ("c", 0.1)), "float32"), ("mul", (("v", 0), ("s", 0)), "float32"),
              ("add", (("w", 1), ("v", 1)), "bfloat16"))
     program = Program(("float32",), ("float32", "bfloat16"), 1, steps, ((0, ("v", 0)), (1, ("v", 2))))
