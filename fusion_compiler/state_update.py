@@ -199,10 +199,11 @@ class Values:
     at: dict
     root: dict
     reads: dict  # kept node -> the values its arguments had when it ran
+    opaque_writes: list  # ops that write their arguments in a way not followed here (lists of tensors)
 
 
 def values_of(gm: fx.GraphModule) -> Values:
-    root, current, at, reads = {}, {}, {}, {}
+    root, current, at, reads, opaque_writes = {}, {}, {}, {}, []
     counter = itertools.count()
 
     def read(a):
@@ -239,6 +240,9 @@ def values_of(gm: fx.GraphModule) -> Values:
                 current[n] = Value(name, args, kwargs, n, next(counter))
             at[n] = current[root[n]]
         elif n.op == "call_function":
+            if isinstance(n.target, _compat.OpOverload) and any(
+                    a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments):
+                opaque_writes.append(str(n.target.overloadpacket))  # e.g. torch._fused_adamw_ on lists
             root[n] = n
             current[n] = Value("opaque", (), {}, n, next(counter))
             reads[n] = (read(n.args), {k: read(v) for k, v in n.kwargs.items()})
@@ -246,7 +250,7 @@ def values_of(gm: fx.GraphModule) -> Values:
         elif n.op == "output":
             reads[n] = (read(n.args), {})
     final = {n: current[n] for n in gm.graph.nodes if n.op == "placeholder"}
-    return Values(final, current, at, root, reads)
+    return Values(final, current, at, root, reads, sorted(set(opaque_writes)))
 
 
 @dataclasses.dataclass

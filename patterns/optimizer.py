@@ -36,6 +36,9 @@ def classify(program, states: int) -> str:
     """The update's name from its ops and the number of state tensors it writes (besides the
     parameter; gradients, which foreach SGD with Nesterov momentum also writes, are not state)."""
     ops = {op for op, _, _ in program.steps}
+    if len(program.writes) == 1 and len(program.steps) == 1 and program.steps[0][0] == "mul" \
+            and {kind for kind, _ in program.steps[0][1]} == {"w", "s"}:
+        return "clip_grad_norm"  # the scale of a gradient clip in a graph of its own: g *= coefficient
     if "sign" in ops:
         return "optimizer_lion"
     if "sqrt" in ops or "rsqrt" in ops:
@@ -111,6 +114,9 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
         else:
             candidates.append(lane)
     rows += [("optimizer_update", "rejected", reason, lanes) for reason, lanes in rejected.items()]
+    if vals.opaque_writes:
+        rows.append(("optimizer_update", "rejected", f"tensors written by {', '.join(vals.opaque_writes)}: not "
+                     "an elementwise chain this family reads (a fused optimizer is one kernel already)", []))
     groups: dict = {}
     for lane in candidates:
         groups.setdefault((lane.program.text(), example[lane.writes[0]].device), []).append(lane)

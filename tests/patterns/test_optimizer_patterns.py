@@ -229,6 +229,25 @@ def test_clip_grad_norm_then_adamw_match_eager(one_graph, foreach):
         assert be.graphs == 1
 
 
+def _clip_and_raw_step(opt, params):
+    with torch.no_grad():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        inspect.unwrap(type(opt).step)(opt)
+
+
+@pytest.mark.parametrize("one_graph", [False, True], ids=["two_graphs", "one_graph"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_clip_grad_norm_then_each_optimizer_match_eager(name, one_graph):
+    make, pattern = OPTIMIZERS[name]
+    step = _clip_and_raw_step if one_graph else _clip_then_step
+    ref, ours, ref_opt, opt, be = _run(lambda ps: make(ps, True), _params(), step_fn=step, grad_scale=3.0)
+    for r, o in zip(ref, ours):
+        torch.testing.assert_close(o, r, **FP32)
+        torch.testing.assert_close(o.grad, r.grad, **FP32)
+    _assert_state_equal(ref_opt, opt, **FP32)
+    assert {pattern, "clip_grad_norm"} <= set(_applied(be)), be.log.decisions
+
+
 def test_skip_clipped_grad_store_keeps_unclipped_grads():
     ref, ours, ref_opt, opt, be = _run(lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True), _params(),
                                        step_fn=_clip_and_step_one_graph, grad_scale=3.0, steps=1,
@@ -358,3 +377,21 @@ def test_estimates_at_the_benchmark_size():
     assert not cost.estimate_multi_tensor(adamw, adamw, 0, 0, 42, True, ctx).profitable
     assert cost.estimate_multi_tensor(adamw, adamw, 0, 0, 42, False, ctx).profitable
     assert cost.estimate_multi_tensor(n * 32, n * 36, 0, 0, 42, True, ctx).profitable
+
+
+def test_fused_optimizer_kernel_is_named_not_followed():
+    """An update written by an op on lists (torch._fused_adamw_) is reported, not misread as no update."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusion_compiler import state_update
+
+    def step(p, g, m, v, s):
+        torch._fused_adamw_([p], [g], [m], [v], [], [s], lr=0.01, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                            eps=1e-8, amsgrad=False, maximize=False)
+
+    with torch.no_grad():
+        gm = make_fx(step)(torch.randn(4, 3), torch.randn(4, 3), torch.zeros(4, 3), torch.zeros(4, 3),
+                           torch.tensor(1.0))
+    vals = state_update.values_of(gm)
+    assert vals.opaque_writes == ["aten._fused_adamw_"]
+    assert state_update.lanes(vals) == []
