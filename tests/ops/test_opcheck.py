@@ -43,6 +43,16 @@ def test_opcheck(dtype, index):
     torch.library.opcheck(op, args)
 
 
+def test_opcheck_multi_tensor_ops():
+    """The in-place lane program (two lanes, one empty) and the sum of squares."""
+    from fusion_compiler.codegen.multi_tensor import Program
+    program = Program(("float32",), ("float32",), 1, (("lerp", (("w", 0), ("r", 0), ("s", 0)), "float32"),),
+                      ((0, ("v", 0)),)).text()
+    reads, writes = [torch.randn(7, 3), torch.randn(0)], [torch.randn(7, 3), torch.randn(0)]
+    torch.library.opcheck(fusion.multi_tensor_apply, (program, reads, writes, torch.rand(1, 2)))
+    torch.library.opcheck(fusion.multi_tensor_sum_squares, ([torch.randn(5, 2), torch.randn(9)],))
+
+
 def test_rope_gradients_reach_cos_and_sin():
     """cos/sin rarely need grads, but when they do the op provides them."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
