@@ -79,7 +79,8 @@ class FusionBackend:
             grads = state_update.gradient_inputs([*example_inputs, *attributes])
             aten_gm = state_update.trace(lifted, inputs)
             foreach = state_update.uses_foreach(gm)
-            applied = optimizer.rewrite(aten_gm, inputs, grads, foreach, self.config, self.log, gid)
+            applied = optimizer.rewrite(aten_gm, inputs, grads, foreach, self.config, self.log, gid,
+                                        report_unfused=bool(grads) or state_update.has_tensor_attributes(gm))
         except Unsupported as e:
             self._fallback(gid, str(e))
             return None

@@ -91,9 +91,13 @@ def _kernel_failure(program, device) -> str | None:
     return None
 
 
-def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, config, log, gid: int) -> int:
+def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, config, log, gid: int,
+            report_unfused: bool = True) -> int:
     """Fuse the lanes of a traced update graph (grads: positions of the inputs that are gradients;
-    foreach: the graph was spelled with foreach ops); returns how many groups were rewritten."""
+    foreach: the graph was spelled with foreach ops); returns how many groups were rewritten.
+    report_unfused=False: when nothing is fused, log nothing (a graph without gradients or optimizer
+    state that writes some inputs, e.g. a KV cache under no_grad, then takes the usual path with
+    its own rows)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = dict(zip(placeholders, example_inputs))
     gradients = {placeholders[i] for i in grads}
@@ -149,6 +153,8 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
         clipped = fuse_norms(gm, example) if config.enables(DESCRIPTORS[-1]) else 0
         if clipped:
             rows.append(("clip_grad_norm", "applied", f"{clipped} gradient norms in one launch", []))
+    if not applied and not report_unfused:
+        return 0
     for name, verdict, reason, group, *estimate in rows:
         est = estimate[0] if estimate else None
         anchor = group[0].values[-1].node if group and group[0].values else None

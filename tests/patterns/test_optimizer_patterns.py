@@ -395,3 +395,37 @@ def test_fused_optimizer_kernel_is_named_not_followed():
     vals = state_update.values_of(gm)
     assert vals.opaque_writes == ["aten._fused_adamw_"]
     assert state_update.lanes(vals) == []
+
+
+def test_inference_graph_writing_an_input_gets_no_optimizer_rows():
+    """A KV-cache write under no_grad is an in-place update too, but not an elementwise one: no
+    optimizer row, and the graph's own regions are still fused."""
+    def f(cache, x, idx, w):
+        with torch.no_grad():
+            cache.index_copy_(0, idx, x)
+            return torch.nn.functional.rms_norm(cache * w, (8,), w)
+
+    cache, x, idx, w = torch.zeros(6, 8), torch.randn(2, 8), torch.tensor([1, 4]), torch.randn(8)
+    be = fc.backend(**ALWAYS)
+    out = torch.compile(f, backend=be)(cache.clone(), x, idx, w)
+    torch.testing.assert_close(out, f(cache.clone(), x, idx, w), **FP32)
+    assert [(d.pattern, d.verdict) for d in be.log.decisions] == [("rms_norm", "applied")]
+
+
+def test_functional_update_of_inputs_is_fused():
+    """An update written as a function of its tensors (no optimizer object): lanes of the inputs."""
+    def sgd(params, grads, bufs, lr):
+        with torch.no_grad():
+            for p, g, b in zip(params, grads, bufs):
+                b.mul_(0.9).add_(g)
+                p.add_(b, alpha=-lr)
+
+    params, grads, bufs = _grads(_params([(9, 4), (5,)])), _grads(_params([(9, 4), (5,)])), \
+        _grads(_params([(9, 4), (5,)]))
+    ref = [[t.clone() for t in ts] for ts in (params, grads, bufs)]
+    be = fc.backend(**ALWAYS)
+    torch.compile(sgd, backend=be)(params, grads, bufs, 0.1)
+    sgd(*ref, 0.1)
+    for a, b in zip(params + bufs, ref[0] + ref[2]):
+        torch.testing.assert_close(a, b, **FP32)
+    assert _applied(be) == ["optimizer_sgd_momentum"], be.log.decisions
