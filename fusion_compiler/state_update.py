@@ -308,7 +308,7 @@ def lanes(vals: Values) -> list[Lane]:
         computed = [v for v in ordered if v.op != "input"]
         first_use = {}
         for v in computed:
-            for a in _flat((v.args, tuple(v.kwargs.values()))):
+            for a in flat_args((v.args, tuple(v.kwargs.values()))):
                 if isinstance(a, Value) and a.op == "input" and a.node not in first_use:
                     first_use[a.node] = v.order
         for ph in outs:
@@ -318,10 +318,11 @@ def lanes(vals: Values) -> list[Lane]:
     return result
 
 
-def _flat(items):
+def flat_args(items):
+    """The leaves of nested argument lists and tuples."""
     for a in items:
         if isinstance(a, (list, tuple)):
-            yield from _flat(a)
+            yield from flat_args(a)
         else:
             yield a
 
@@ -452,7 +453,7 @@ def residual_reason(vals: Values, fused: list[Lane]) -> str | None:
     for n, (args, kwargs) in vals.reads.items():
         if n in vals.at and vals.at[n] in inside:
             continue
-        for a in _flat((args, tuple(kwargs.values()))):
+        for a in flat_args((args, tuple(kwargs.values()))):
             if isinstance(a, Value) and a in inside:
                 where = "the graph's output" if n.op == "output" else f"{n.target}"
                 return f"{where} reads a value of the update before it ends ({a.node.target})"

@@ -72,7 +72,7 @@ def _bytes(lane, example: dict) -> tuple[int, int, int, int]:
     inductor = ours + sum(example[ph].element_size() for ph in lane.unstored) * numel
     eager = 0
     for v in lane.values:
-        args = [a for a in state_update._flat((v.args, tuple(v.kwargs.values())))
+        args = [a for a in state_update.flat_args((v.args, tuple(v.kwargs.values())))
                 if isinstance(a, state_update.Value) and a.is_tensor]
         eager += (len(args) + 1) * numel * (v.node.meta["val"].element_size())
     return ours, inductor, eager, len(lane.values)
