@@ -2,16 +2,18 @@
 
 A lane program (Program) is the per-element update of one tensor and its companions (a parameter, its
 gradient, its optimizer state): tensor slots read or written, per-lane scalars (a bias correction, a
-step size), constants, and a list of elementwise steps. The generated kernel reads the addresses of
-each lane's tensors from a pointer table and maps its program id to (lane, first element) through a
-block table, so tensors of any mixed sizes (empty ones too) share one launch:
+step size), constants, and a list of elementwise steps. The generated kernel addresses each slot as a
+typed base pointer (one kernel argument per dtype) plus the tensor's element offset from it, read
+from a table, and maps its program id to (lane, first element) through a block table, so tensors of
+any mixed sizes (empty ones too) share one launch:
 
     pid -> lane = block_lane[pid], offsets = block_start[pid] + arange(BLOCK)
     load every slot the program reads (upcast to fp32), evaluate the steps, store the written slots
 
 Each step is computed in fp32 and rounded to its own dtype as eager PyTorch rounds each op's result
-(a bf16 step is rounded to the nearest bf16, ties to even, before the next step reads it), with IEEE-rounded division and
-square root (`div_rn`, `sqrt_rn`), so fp32 results agree with eager to the last bit or two.
+(a bf16 step is rounded to the nearest bf16, ties to even, before the next step reads it), with
+IEEE-rounded division and square root (`div_rn`, `sqrt_rn`), so fp32 results agree with eager to the
+last bit or two.
 
 `multi_tensor_sum_squares` is the first pass of a global-norm gradient clip: each lane's sum of
 squares in one launch (per-block partial sums, then a per-lane sum: deterministic, no atomics).
@@ -165,8 +167,7 @@ _DIR = os.path.join(tempfile.gettempdir(), f"fusion_compiler_kernels_{os.getuid(
 
 def kernel(program: Program):
     """The compiled (jit) kernel of a program; its source is written to a file so Triton can read it."""
-    text = program.text()
-    if text not in _KERNELS:
+    if program not in _KERNELS:
         src = source(program)
         name = "mt_" + hashlib.sha1(src.encode()).hexdigest()[:20]
         os.makedirs(_DIR, exist_ok=True)
@@ -179,8 +180,8 @@ def kernel(program: Program):
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        _KERNELS[text] = module.multi_tensor_kernel
-    return _KERNELS[text]
+        _KERNELS[program] = module.multi_tensor_kernel
+    return _KERNELS[program]
 
 
 def block_size() -> tuple[int, int]:

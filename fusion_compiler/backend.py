@@ -57,14 +57,12 @@ class FusionBackend:
         except ConfigError:
             raise  # unknown pattern or family names: the user's to fix
         except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
-            self._fallback(gid, f"internal error, graph left to {self.config.handoff}: {type(e).__name__}: {e}\n"
-                                f"{traceback.format_exc(limit=4)}")
+            self._internal_error(gid, "graph", e)
             return self._handoff(gm, example_inputs)
         try:
             return self._handoff(aten_gm, example_inputs, gid)
         except Exception as e:  # noqa: BLE001  (the rewritten graph failed to compile: undo, say why)
-            self._fallback(gid, f"{self.config.handoff} failed on the rewritten graph, compiled the original "
-                                f"instead: {type(e).__name__}: {str(e)[:300]}")
+            self._handoff_failed(gid, "graph", e)
             return self._handoff(gm, example_inputs)
 
     def _state_update(self, gm: fx.GraphModule, example_inputs, gid: int):
@@ -85,8 +83,7 @@ class FusionBackend:
             self._fallback(gid, str(e))
             return None
         except Exception as e:  # noqa: BLE001  (a bug of ours must not stop training)
-            self._fallback(gid, f"internal error, update left to {self.config.handoff}: {type(e).__name__}: {e}\n"
-                                f"{traceback.format_exc(limit=4)}")
+            self._internal_error(gid, "update", e)
             return None
         if not applied:
             return None
@@ -98,8 +95,7 @@ class FusionBackend:
             with _compat.tracing(None), torch.no_grad():
                 compiled = self._handoff(aten_gm, inputs, gid)
         except Exception as e:  # noqa: BLE001
-            self._fallback(gid, f"{self.config.handoff} failed on the rewritten update, compiled the original "
-                                f"instead: {type(e).__name__}: {str(e)[:300]}")
+            self._handoff_failed(gid, "update", e)
             return self._handoff(gm, example_inputs)
 
         def step(*args):
@@ -109,6 +105,14 @@ class FusionBackend:
 
     def _fallback(self, gid: int, reason: str) -> None:
         self.log.add(Decision(gid, "-", "-", "fallback", reason, "", ()))
+
+    def _internal_error(self, gid: int, what: str, e: Exception) -> None:
+        self._fallback(gid, f"internal error, {what} left to {self.config.handoff}: {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc(limit=4)}")
+
+    def _handoff_failed(self, gid: int, what: str, e: Exception) -> None:
+        self._fallback(gid, f"{self.config.handoff} failed on the rewritten {what}, compiled the original "
+                            f"instead: {type(e).__name__}: {str(e)[:300]}")
 
     def _handoff(self, gm: fx.GraphModule, example_inputs, gid: int = -1):
         if self.config.handoff == "inductor":

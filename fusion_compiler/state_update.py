@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _compat
 from .canonical import Unsupported
-from fusion_compiler.codegen.multi_tensor import OPS, Program
+from fusion_compiler.codegen.multi_tensor import DTYPES, OPS, Program
 
 aten = torch.ops.aten
 
@@ -331,7 +331,7 @@ def flat_args(items):
 _IDENTITY = {"clone", "alias", "detach", "contiguous"}
 _SIMPLE = {"neg", "abs", "sqrt", "rsqrt", "reciprocal", "exp", "log", "sigmoid", "tanh", "sign", "sgn",
            "maximum", "minimum", "where", "gt", "lt", "ge", "le", "eq", "ne"}
-_FLOATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FLOATS = {dtype: name for name, dtype in DTYPES.items() if dtype.is_floating_point}  # torch dtype -> slot dtype
 
 
 class NotFusable(Exception):

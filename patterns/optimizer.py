@@ -23,11 +23,13 @@ from fusion_compiler import cost, state_update
 from fusion_compiler.codegen import multi_tensor
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.decisions import Decision, describe, location
+from fusion_compiler.patterns.checks import float_dtype, one_device
 
 FAMILY = "optimizer"
 NAMES = ("optimizer_adam", "optimizer_adam_amsgrad", "optimizer_sgd_momentum", "optimizer_sgd",
          "optimizer_lion", "optimizer_update", "clip_grad_norm")
 DESCRIPTORS = tuple(types.SimpleNamespace(name=n, family=FAMILY) for n in NAMES)
+CLIP = next(d for d in DESCRIPTORS if d.name == "clip_grad_norm")
 KERNEL = "fusion::multi_tensor_apply"
 aten = torch.ops.aten
 
@@ -51,10 +53,7 @@ def classify(program, states: int) -> str:
 
 def _lane_reason(lane, example: dict) -> str:
     tensors = [example[ph] for ph in lane.reads + lane.writes]
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        return f"tensors on several devices: {sorted(map(str, devices))}"
-    why = can_launch(tensors[0].device)
+    why = one_device(tensors) or can_launch(tensors[0].device)
     if why:
         return why
     for t in tensors:
@@ -150,7 +149,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
             rows.append((name, "rejected", estimate.reason(), group, estimate))
     if applied:
         state_update.rewrite(gm, vals, applied)
-        clipped = fuse_norms(gm, example) if config.enables(DESCRIPTORS[-1]) else 0
+        clipped = fuse_norms(gm, example) if config.enables(CLIP) else 0
         if clipped:
             rows.append(("clip_grad_norm", "applied", f"{clipped} gradient norms in one launch", []))
     if not applied and not report_unfused:
@@ -175,8 +174,7 @@ def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
                 and n.args[0] in example and n.args[1:2] in ((), (2,), (2.0,)) and not n.kwargs.get("dim") \
                 and not n.kwargs.get("dtype") and len(n.args) <= 2:
             t = example[n.args[0]]
-            if t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.is_contiguous() \
-                    and can_launch(t.device) is None:
+            if float_dtype(t) is None and t.is_contiguous() and can_launch(t.device) is None:
                 groups.setdefault((t.dtype, t.device), []).append(n)
     taken = 0
     for norms in groups.values():

@@ -429,3 +429,17 @@ def test_functional_update_of_inputs_is_fused():
     for a, b in zip(params + bufs, ref[0] + ref[2]):
         torch.testing.assert_close(a, b, **FP32)
     assert _applied(be) == ["optimizer_sgd_momentum"], be.log.decisions
+
+
+def test_first_sgd_momentum_step_is_a_near_miss():
+    """SGD creates its momentum buffers inside the first step and that graph returns them: the update
+    is read before it ends, so it stays unfused (near-miss, with the reason); later steps are fused."""
+    ref, ours, ref_opt, opt, be = _run(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+                                       _params([(6, 5), (4,)]), steps=2)
+    for r, o in zip(ref, ours):
+        torch.testing.assert_close(o, r, **FP32)
+    rows = [(d.graph, d.verdict, d.reason) for d in be.log.decisions if d.family == "optimizer"]
+    assert rows[0][:2] == (0, "near-miss") and "graph's output reads a value of the update" in rows[0][2], rows
+    assert (1, "applied") in [r[:2] for r in rows]
+    ops = [n.target for n in be.rewritten[-1].graph.nodes if n.op == "call_function"]
+    assert torch.ops.fusion.multi_tensor_apply.default in ops
