@@ -4,7 +4,10 @@ Under Triton's CPU interpreter (TRITON_INTERPRET=1) every program instance costs
 are larger and persistent grids smaller there; on a GPU the tile sizes follow the usual rules for
 memory-bound row kernels (one row of up to 8K elements per program, 4-16 warps).
 """
+import hashlib
+import importlib.util
 import os
+import tempfile
 
 import torch
 import triton
@@ -73,3 +76,23 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View t as [rows, last dim] with a unit column stride (copies only when it must)."""
     t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+_DIR = os.path.join(tempfile.gettempdir(), f"fusion_compiler_kernels_{os.getuid()}")
+
+
+def load_kernel(source: str, prefix: str, name: str):
+    """The function `name` of a generated Triton source (written to a file named by its hash, so
+    that Triton, which reads a jit function's source from its file, can compile it)."""
+    module_name = f"{prefix}_" + hashlib.sha1(source.encode()).hexdigest()[:20]
+    os.makedirs(_DIR, exist_ok=True)
+    path = os.path.join(_DIR, module_name + ".py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)

@@ -20,16 +20,13 @@ squares in one launch (per-block partial sums, then a per-lane sum: deterministi
 """
 import ast
 import dataclasses
-import hashlib
-import importlib.util
-import os
-import tempfile
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting
+from .launch import interpreting, load_kernel
+from .pointwise import ARITHMETIC, ROUND_BF16, TRITON
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
 _TL = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
@@ -54,47 +51,9 @@ class Program:
         return Program(*ast.literal_eval(text))
 
 
-# op -> Triton expression of its (already formatted) arguments
-_OPS = {
-    "add": lambda a, b: f"{a} + {b}",
-    "sub": lambda a, b: f"{a} - {b}",
-    "mul": lambda a, b: f"{a} * {b}",
-    "div": lambda a, b: f"tl.math.div_rn({a}, {b})",
-    "neg": lambda a: f"-{a}",
-    "abs": lambda a: f"tl.abs({a})",
-    "sqrt": lambda a: f"tl.math.sqrt_rn({a})",
-    "rsqrt": lambda a: f"tl.math.div_rn(1.0, tl.math.sqrt_rn({a}))",
-    "reciprocal": lambda a: f"tl.math.div_rn(1.0, {a})",
-    "exp": lambda a: f"tl.exp({a})",
-    "log": lambda a: f"tl.log({a})",
-    "sigmoid": lambda a: f"tl.sigmoid({a})",
-    "tanh": lambda a: f"(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)",
-    "sign": lambda a: f"(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))",
-    "maximum": lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    "minimum": lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    "fma": lambda a, b, c: f"{a} * {b} + {c}",
-    # torch.lerp: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w)
-    "lerp": lambda a, b, w: (f"tl.where(tl.abs({w}) < 0.5, {a} + {w} * ({b} - {a}), "
-                             f"{b} - ({b} - {a}) * (1.0 - {w}))"),
-    "where": lambda c, a, b: f"tl.where({c}, {a}, {b})",
-    "gt": lambda a, b: f"{a} > {b}",
-    "lt": lambda a, b: f"{a} < {b}",
-    "ge": lambda a, b: f"{a} >= {b}",
-    "le": lambda a, b: f"{a} <= {b}",
-    "eq": lambda a, b: f"{a} == {b}",
-    "ne": lambda a, b: f"{a} != {b}",
-    "cast": lambda a: f"{a}",
-}
-OPS = frozenset(_OPS)
+OPS = frozenset(ARITHMETIC)
 
 
-# fp32 -> nearest bf16 (ties to even), kept in fp32: the bits, not a cast (Triton's interpreter
-# truncates in its bf16 cast, which would move a weight-decayed parameter down by an ulp each step)
-_ROUND_BF16 = """@triton.jit
-def _round_bf16(x):
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))"""
 
 
 def _ref(ref) -> str:
@@ -117,7 +76,7 @@ def _body(program: Program, used: set, mask: str, indent: str) -> list:
             if (kind, j) in used:
                 lines.append(f"{kind}{j} = tl.load(p_{kind}{j}{load_mask}).to(tl.float32)")
     for k, (op, refs, dt) in enumerate(program.steps):
-        expr = _OPS[op](*[_ref(r) for r in refs])
+        expr = TRITON[op](*[_ref(r) for r in refs])
         if dt == "bfloat16":  # eager rounds each op's result to its dtype
             expr = f"_round_bf16({expr})"
         elif dt == "float16":
@@ -136,7 +95,7 @@ def source(program: Program) -> str:
     slots = [("r", j, dt) for j, dt in enumerate(program.reads)] + [("w", j, dt) for j, dt in enumerate(program.writes)]
     bases = ", ".join(f"BASE_{dt}" for dt in sorted({dt for _, _, dt in slots}))
     lines = [
-        "import triton", "import triton.language as tl", "", "", _ROUND_BF16, "", "", "@triton.jit",
+        "import triton", "import triton.language as tl", "", "", ROUND_BF16, "", "", "@triton.jit",
         f"def multi_tensor_kernel({bases}, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, SCALARS, n_lanes,",
         "                        BLOCK: tl.constexpr, ALIGNED: tl.constexpr):",
         "    pid = tl.program_id(0)",
@@ -162,25 +121,12 @@ def source(program: Program) -> str:
 
 
 _KERNELS: dict = {}
-_DIR = os.path.join(tempfile.gettempdir(), f"fusion_compiler_kernels_{os.getuid()}")
 
 
 def kernel(program: Program):
-    """The compiled (jit) kernel of a program; its source is written to a file so Triton can read it."""
+    """The compiled (jit) kernel of a program."""
     if program not in _KERNELS:
-        src = source(program)
-        name = "mt_" + hashlib.sha1(src.encode()).hexdigest()[:20]
-        os.makedirs(_DIR, exist_ok=True)
-        path = os.path.join(_DIR, name + ".py")
-        if not os.path.exists(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(src)
-            os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _KERNELS[program] = module.multi_tensor_kernel
+        _KERNELS[program] = load_kernel(source(program), "mt", "multi_tensor_kernel")
     return _KERNELS[program]
 
 

@@ -70,7 +70,7 @@ class FusionBackend:
         launches (patterns/optimizer.py); tensors Dynamo holds as attributes are passed as trailing
         inputs. None when no lane was fused (the graph then takes the usual path)."""
         from fusion_compiler.patterns import optimizer
-        self.config.check_names(registered_patterns() + list(optimizer.DESCRIPTORS))
+        self.config.check_names(engine.known_names())
         try:
             lifted, values, attributes = state_update.lift(gm)
             inputs = [*example_inputs, *values]

@@ -50,6 +50,10 @@ class FusionConfig:
         do not write the clipped gradients back: p.grad keeps its unclipped values after the step, the
         update uses the clipped ones. Saves one write of every gradient; only for training loops that
         do not read p.grad after the step. Off by default (p.grad ends as eager leaves it).
+    gemm_timing: on CUDA, time each GEMM + epilogue region's generated kernel (every tile config)
+        against cuBLAS on the bare product once per shape, and fuse only where the kernel is faster
+        than cuBLAS plus the epilogue pass Inductor would add; the timings are kept on disk
+        (codegen/tuning.py), so a shape is timed once per machine. Off: the roofline alone decides.
     overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
         overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
     """
@@ -68,6 +72,7 @@ class FusionConfig:
     overlap_memory_budget: Optional[float] = None
     overlap_chunks: Optional[int] = None
     skip_clipped_grad_store: bool = False
+    gemm_timing: bool = True
 
     def __post_init__(self):
         for name in ("families", "patterns"):

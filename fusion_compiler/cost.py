@@ -37,6 +37,10 @@ class DeviceProfile:
     # achieved bandwidth / `bandwidth` of multi-tensor updates: (ours, Inductor on foreach ops,
     # Inductor on per-tensor (for-loop) ops)
     multi_tensor: tuple = ()
+    # fraction of matmul_flops reached on a large GEMM: (our generated kernel, cuBLAS); and our
+    # GEMM + epilogue backward's time over Inductor's (the derivative pass, the side partials)
+    gemm: tuple = (0.75, 0.9)
+    gemm_backward: float = 1.0
 
 
 # H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
@@ -80,13 +84,19 @@ _LINEAR_CE_H200 = ((32000, 0.99), (128256, 1.08), (1 << 30, 1.12))
 # AdamW, 42 fp32 tensors, 468.7M parameters (runs/2026-12-03-h200-optimizer-4.json, -2-forloop.json): ours 4.13 TB/s,
 # Inductor 4.21 on the foreach graph and 3.95 on the for-loop graph; over the 4.3 TB/s of the profile
 _MULTI_TENSOR_H200 = (0.96, 0.98, 0.92)
+# GEMM + epilogue, bf16 (benchmarks/runs/2026-12-03-h200-gemm-2.json): Linear(8192, 8192) on 1024
+# rows, 137 GFLOP: our kernel with its epilogue 0.245 ms (71% of 790 TFLOP/s), cuBLAS ~0.178 ms (98%);
+# fwd+bwd of the fused regions ~1.13x Inductor's (16384 x 1024 -> 1024), the backward alone ~1.2x
+_GEMM_H200 = (0.71, 0.98)
+_GEMM_BACKWARD_H200 = 1.2
 PROFILES = {
     # the H100's attention and multi-tensor figures: assumed the H200's (one GH100 chip; only the H200
     # was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
-                          multi_tensor=_MULTI_TENSOR_H200),
+                          multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
-                          linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200),
+                          linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
+                          gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200),
 }
 REFERENCE = "h200"
 
@@ -297,3 +307,61 @@ def estimate_multi_tensor(ours_bytes: int, inductor_bytes: int, eager_bytes: int
         base_s = eager_ops * p.launch_s + eager_bytes / (p.bandwidth * p.eager_efficiency)
     spelling = "foreach" if foreach else "for-loop"
     return Estimate(ours_s, base_s, ours_bytes, base_bytes, ctx.baseline, note=f"{lanes} tensors, {spelling} spelling")
+
+
+def _gemm_time(flops: float, nbytes: int, eff: float, p: DeviceProfile) -> float:
+    return p.launch_s + max(flops / (p.matmul_flops * eff), nbytes / p.bandwidth)
+
+
+def gemm_backward_s(flops: float, operands: int, product: int, side_bytes: int, p: DeviceProfile) -> float:
+    """The backward of a GEMM + epilogue: the derivative pass and the two GEMMs (cuBLAS)."""
+    return 2 * _gemm_time(flops, operands + product, p.gemm[1], p) + \
+        (3 * product + side_bytes) / (p.bandwidth * p.default_efficiency) + p.launch_s
+
+
+def estimate_gemm_epilogue(a, b, sides: list, shape, out, n_ops: int, save_product: bool,
+                           ctx: CostContext) -> Estimate:
+    """The GEMM with its chain in the epilogue against the GEMM (cuBLAS) writing the product and one
+    fused elementwise kernel (Inductor) or one kernel per op (eager) reading it back. Ours is a
+    Triton GEMM: DeviceProfile.gemm holds its efficiency against cuBLAS's. Training adds the same
+    backward to both (the derivative pass and two GEMMs), except that ours writes the product only
+    when the backward reads it."""
+    p = ctx.profile
+    m_n = 1
+    for size in shape:
+        m_n *= size
+    k = a.shape[-1]
+    flops = 2.0 * m_n * k
+    operands, side_bytes, out_bytes = nbytes(a) + nbytes(b), sum(map(nbytes, sides)), nbytes(out)
+    product = m_n * a.element_size()
+    ours_eff, cublas_eff = p.gemm
+    ours_bytes = operands + side_bytes + out_bytes + (product if save_product else 0)
+    ours = _gemm_time(flops, ours_bytes, ours_eff, p)
+    gemm = _gemm_time(flops, operands + product, cublas_eff, p)
+    if ctx.baseline == "inductor":
+        epilogue_bytes = product + side_bytes + out_bytes
+        base = gemm + p.launch_s + epilogue_bytes / (p.bandwidth * p.default_efficiency)
+    else:
+        epilogue_bytes = n_ops * (2 * product) + side_bytes
+        base = gemm + n_ops * p.launch_s + epilogue_bytes / (p.bandwidth * p.eager_efficiency)
+    base_bytes = operands + product + epilogue_bytes
+    if ctx.training:
+        backward = gemm_backward_s(flops, operands, product, side_bytes, p)
+        ours, base = ours + backward * p.gemm_backward, base + backward
+    return Estimate(ours, base, ours_bytes, base_bytes, ctx.baseline,
+                    f"{flops / 1e9:.2f} GFLOP; GEMM at {ours_eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
+                    f"(cuBLAS {cublas_eff:.0%}, {p.name} profile); product {'saved' if save_product else 'not written'}")
+
+
+def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, baseline_bytes: int,
+                        backward_s: float, ctx: CostContext) -> Estimate:
+    """Forward times measured on this device: ours (the generated kernel at its best tuned config)
+    against the product on cuBLAS plus one pass reading it back (patterns/gemm.py `_timed`); in
+    training both add the estimated backward, ours scaled by the measured DeviceProfile.gemm_backward."""
+    p = ctx.profile
+    note = (f"timed on {p.name}: ours {ours_s * 1e6:.1f} us, cuBLAS + epilogue pass {baseline_s * 1e6:.1f} us "
+            "(forward; the pass at full bandwidth)")
+    if ctx.training:
+        ours_s, baseline_s = ours_s + backward_s * p.gemm_backward, baseline_s + backward_s
+        note += f"; backward est. {backward_s * 1e6:.1f} us, ours x{p.gemm_backward:.2f}"
+    return Estimate(ours_s, baseline_s, ours_bytes, baseline_bytes, ctx.baseline, note)

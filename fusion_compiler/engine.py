@@ -38,7 +38,7 @@ def _needs_grad(gm: fx.GraphModule, grad_inputs: list[bool]) -> set:
     return grad
 
 
-def _random_like(v: torch.Tensor) -> torch.Tensor:
+def random_like(v: torch.Tensor) -> torch.Tensor:
     span = 1 + sum((s - 1) * st for s, st in zip(v.shape, v.stride())) if v.numel() else 0
     if v.is_floating_point() or v.is_complex():
         base = torch.randn(span, dtype=v.dtype, device=v.device)
@@ -59,7 +59,7 @@ def verify_replacement(pattern, values: list, training: bool) -> str | None:
             with torch.enable_grad(), _compat.tracing(None):
                 args, leaves = [], []
                 for v in values:
-                    r = _random_like(v) if isinstance(v, torch.Tensor) else v
+                    r = random_like(v) if isinstance(v, torch.Tensor) else v
                     if training and isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex()):
                         r = r.requires_grad_()
                         leaves.append(r)
@@ -210,12 +210,18 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
     return f"fusion_{base}_{i}"
 
 
+def known_names() -> list:
+    """Every pattern and every name of the families with their own passes (gemm, optimizer)."""
+    from fusion_compiler.patterns import gemm, optimizer
+    return registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS)
+
+
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
-    from fusion_compiler.patterns.optimizer import DESCRIPTORS  # the optimizer family's names (backend.py)
+    from fusion_compiler.patterns import gemm
     patterns = registered_patterns()
-    config.check_names(patterns + list(DESCRIPTORS))
+    config.check_names(known_names())
     needs_grad = _needs_grad(gm, grad_inputs)
     applied = 0
     for pattern in patterns:
@@ -241,6 +247,8 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                     live = set(gm.graph.nodes)
                     applied += 1
             log.add(decision)
+    # last: a GEMM's chain is what the patterns above left of it
+    applied += gemm.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     gm.recompile()
     return applied
 

@@ -74,8 +74,11 @@ def compute_seconds(node: fx.Node, link: LinkProfile) -> float:
     """A node's time alone: matmul FLOPs at the matmul rate, else bytes in and out at the bandwidth."""
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
-    if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
-        a, b = node.args[-2].meta.get("val"), node.args[-1].meta.get("val")
+    products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    if node.target in products or node.target is torch.ops.fusion.gemm_epilogue.default:
+        # operands: the last two of mm/addmm/bmm; (epilogue, a, b, ...) of the GEMM + epilogue op
+        a, b = (node.args[1], node.args[2]) if node.target not in products else (node.args[-2], node.args[-1])
+        a, b = a.meta.get("val"), b.meta.get("val")
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             return 2 * _compat.size_hint(a.numel()) * _compat.size_hint(b.shape[-1]) / link.matmul_flops
     moved = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes)

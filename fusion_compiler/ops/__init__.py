@@ -17,7 +17,10 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.multi_tensor_apply(program, reads, writes, scalars)  -> None: a lane program
                                                             over many tensors, in place, one launch
     torch.ops.fusion.multi_tensor_sum_squares(tensors)      -> each tensor's sum of squares, one launch
+    torch.ops.fusion.gemm_epilogue(epilogue, a, b, sides, shape, out_dtype, save_product)
+                                                            -> (epilogue(a @ b), a @ b or empty): one
+                                                            GEMM kernel with the chain in its epilogue
 """
-from . import elementwise, embedding, loss, multi_tensor, norm  # noqa: F401  (registers the ops)
+from . import elementwise, embedding, gemm, loss, multi_tensor, norm  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES

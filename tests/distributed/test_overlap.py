@@ -66,8 +66,8 @@ def test_collective_issued_before_independent_compute_and_waited_after(one_rank_
     pos = {n: i for i, n in enumerate(nodes)}
     [coll] = [n for n in nodes if overlap.is_collective(n)]
     [wait] = [n for n in nodes if overlap.is_wait(n)]
-    independent = [n for n in nodes if n.target is torch.ops.aten.mm.default and n.args[0] is not coll
-                   and pos[n] > pos[coll]]
+    products = (torch.ops.aten.mm.default, torch.ops.fusion.gemm_epilogue.default)  # y @ y.t() with its relu
+    independent = [n for n in nodes if n.target in products and n.args[0] is not coll and pos[n] > pos[coll]]
     assert independent and pos[coll] < pos[independent[0]] < pos[wait]
     # the wait stays before its first user
     assert all(pos[wait] < pos[u] for u in wait.users if u in pos)
@@ -115,7 +115,8 @@ def test_moe_all_to_all_overlaps_the_shared_expert(one_rank_group):
     pos = {n: i for i, n in enumerate(nodes)}
     dispatch = next(n for n in nodes if overlap.is_collective(n))
     wait = next(u for u in dispatch.users if overlap.is_wait(u))
-    shared_mm = next(n for n in nodes if n.target is torch.ops.aten.mm.default and n.args[0] is not wait
+    products = (torch.ops.aten.mm.default, torch.ops.fusion.gemm_epilogue.default)  # x @ w_shared with its silu
+    shared_mm = next(n for n in nodes if n.target in products and n.args[0] is not wait
                      and not any(overlap.is_wait(a) for a in n.all_input_nodes))
     assert pos[dispatch] < pos[shared_mm] < pos[wait]
 

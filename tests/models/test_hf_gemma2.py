@@ -38,7 +38,8 @@ def test_gemma2_inference_rewrites_every_region():
             assert d.pattern == "attention_softcap_causal_mask" and d.reason == "constant mask is not causal", d
     # full layers: the causal block mask; sliding-window layers: the block mask reduced from the window
     assert applied == {"attention_softcap_causal_mask": LAYERS // 2, "attention_softcap_block_mask": LAYERS // 2, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
-                       "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS, "embedding": 1}
+                       "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS, "embedding": 1,
+                       "gemm_epilogue": 1}  # the LM head's final logit soft-cap: tanh(logits / c) * c
 
 
 def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():

@@ -24,9 +24,11 @@ ZOO = {
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM,
                  dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
                       max_position_embeddings=64, rotary_pct=0.25, attention_dropout=0.0, hidden_dropout=0.0),
-                 {"layer_norm": 5, "rope_rotate_half": 4}),
+                 # per layer: dense_h_to_4h + GELU; dense_4h_to_h + the parallel residual's add
+                 {"layer_norm": 5, "rope_rotate_half": 4, "gemm_epilogue": 4}),
     "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, dict(SMALL, residual_dropout=0.0, embedding_dropout=0.0),
-                   {"layer_norm": 5, "rope_rotate_half": 4}),
+                   # per layer: c_fc + tanh-GELU; o_proj and c_proj + their residual adds
+                   {"layer_norm": 5, "rope_rotate_half": 4, "gemm_epilogue": 6}),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(SMALL, head_dim=16),
               {"add_rms_norm": 4, "rms_norm": 1, "rope_rotate_half": 4, "glu_gelu_tanh": 2}),
 }

@@ -1,0 +1,635 @@
+"""GEMM with a generated epilogue: C = A @ B, then a chain of elementwise ops (and optionally a
+reduction over N) applied to the fp32 accumulator tile before anything is stored.
+
+An Epilogue is the chain as data: steps of (op, refs) over the product ("z",), side tensors ("s", j)
+(broadcast vectors, scalars or full tensors, read with their own strides; a broadcast dim has
+stride 0), constants ("c", x) and earlier steps ("v", k), plus an optional reduction over the last
+dim (sum, mean, amax, logsumexp). From it this module generates two Triton kernels:
+
+forward   blocked, pipelined tl.dot GEMM (grouped tile order for L2 reuse); then the steps on the
+          accumulator; store y (or, with a reduction, per-tile partials over N that a second, tiny
+          stage combines); in training also store the product z when the backward needs it
+backward  per tile of the product: recompute the steps from z, take the upstream gradient (for a
+          reduction: from the per-row gradient, e.g. g * exp(y - lse) for logsumexp), run the chain
+          rule backwards through the steps (codegen/pointwise.py DERIVATIVES) and store dz plus, per
+          side that needs a gradient, its partial already summed over the side's broadcast dims
+          inside the tile
+The two backward GEMMs (dA = dz B^T, dB = A^T dz) stay torch matmuls: cuBLAS under Inductor.
+
+Tile configs are data (CONFIGS); `tune` times them once per shape on the GPU and keeps the winner
+in a JSON file (tuning.py), which `forward` reads.
+"""
+import ast
+import dataclasses
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import tuning
+from .launch import alloc, interpreting, load_kernel
+from .pointwise import DERIVATIVES, ROUND_BF16, TRITON
+
+REDUCTIONS = ("sum", "mean", "amax", "logsumexp")
+_TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    n_sides: int
+    steps: tuple  # ((op, (refs...)), ...); the last step's value is the result (the product if none)
+    reduce: str = ""  # "" or one of REDUCTIONS, over the last dim
+    keepdim: bool = False
+
+    def text(self) -> str:
+        return repr(dataclasses.astuple(self))
+
+    @staticmethod
+    def parse(text: str) -> "Epilogue":
+        n_sides, steps, reduce, keepdim = ast.literal_eval(text)
+        return Epilogue(n_sides, tuple((op, tuple(refs)) for op, refs in steps), reduce, keepdim)
+
+    def result(self) -> str:
+        return f"v{len(self.steps) - 1}" if self.steps else "z"
+
+    def backward_reads_product(self, side_needs=None) -> bool:
+        """Does the backward need z (to recompute the steps or the reduction's weights), given
+        which sides need a gradient (None: all)?"""
+        if self.reduce in ("amax", "logsumexp"):
+            return True
+        return any(name == "z" or name.startswith("v") for name in _partial_names(self, _wanted(self, side_needs)))
+
+
+def _name(ref) -> str:
+    kind = ref[0]
+    if kind == "c":
+        return repr(float(ref[1]))
+    return "z" if kind == "z" else f"{kind}{ref[1]}"
+
+
+def _wanted(ep: Epilogue, side_needs) -> set:
+    """The names whose gradient the backward computes: z, every step, the sides that need one."""
+    needs = side_needs if side_needs is not None else [True] * ep.n_sides
+    return {"z", *(f"v{k}" for k in range(len(ep.steps))), *(f"s{j}" for j, need in enumerate(needs) if need)}
+
+
+def _partials(ep: Epilogue, wanted: set):
+    """Per step: (k, refs, partial derivative expression of each argument), None for a constant
+    or an argument whose gradient is not wanted."""
+    for k, (op, refs) in enumerate(ep.steps):
+        args = [_name(r) for r in refs]
+        partials = DERIVATIVES[op](*args, f"v{k}")
+        yield k, refs, tuple(p if r[0] != "c" and _name(r) in wanted else None for r, p in zip(refs, partials))
+
+
+def _partial_names(ep: Epilogue, wanted: set) -> set:
+    names = set()
+    for _, _, partials in _partials(ep, wanted):
+        for partial in partials:
+            if partial is not None:
+                names |= set(_tokens(partial))
+    return names
+
+
+def _tokens(expr: str):
+    word = ""
+    for ch in expr + " ":
+        if ch.isalnum() or ch == "_":
+            word += ch
+        else:
+            if word and (word == "z" or (word[0] in "sv" and word[1:].isdigit())):
+                yield word
+            word = ""
+
+
+def _cast(expr: str, dtype: torch.dtype) -> str:
+    """expr (fp32) as dtype; bf16 rounded to nearest-even on the bits under the interpreter, whose
+    cast truncates (a truncated saved product would flip relu masks that eager's keeps)."""
+    if dtype == torch.bfloat16 and interpreting():
+        return f"_round_bf16({expr}).to(tl.bfloat16)"
+    return f"({expr}).to({_TL[dtype]})"
+
+
+def _header() -> list:
+    return ["import triton", "import triton.language as tl", "", "", ROUND_BF16, "", "", "@triton.jit"]
+
+
+def _steps(ep: Epilogue, indent: str) -> list:
+    return [f"{indent}v{k} = {TRITON[op](*[_name(r) for r in refs])}" for k, (op, refs) in enumerate(ep.steps)]
+
+
+def side_kinds(views) -> tuple:
+    """Per [batch, M, N] side view: "s" one value per batch, "n" a row vector over N, "m" a column
+    over M, "f" a full tile (a broadcast dim has stride 0); the kernel loads only what varies."""
+    kinds = []
+    for v in views:
+        along_m, along_n = v.stride(1) != 0 and v.shape[1] > 1, v.stride(2) != 0 and v.shape[2] > 1
+        kinds.append("f" if along_m and along_n else "m" if along_m else "n" if along_n else "s")
+    return tuple(kinds)
+
+
+def _side_loads(kinds: tuple, indent: str, needed=None) -> list:
+    lines = []
+    for j, kind in enumerate(kinds):
+        if needed is not None and f"s{j}" not in needed:
+            continue
+        base = f"S{j} + batch * ss{j}_b"
+        load = {"s": f"tl.load({base})",
+                "n": f"tl.load({base} + rn * ss{j}_n, mask=mask_n, other=1.0)[None, :]",
+                "m": f"tl.load({base} + rm * ss{j}_m, mask=mask_m, other=1.0)[:, None]",
+                "f": f"tl.load({base} + rm[:, None] * ss{j}_m + rn[None, :] * ss{j}_n, mask=mask, other=1.0)"}[kind]
+        lines.append(f"{indent}s{j} = {load}.to(tl.float32)")
+    return lines
+
+
+def _side_args(ep: Epilogue) -> tuple[str, str]:
+    ptrs = "".join(f"S{j}, " for j in range(ep.n_sides))
+    strides = "".join(f"ss{j}_b, ss{j}_m, ss{j}_n, " for j in range(ep.n_sides))
+    return ptrs, strides
+
+
+_MAIN_LOOP = {  # how the K loop reads A and B: pointers (any strides, batched) or TMA descriptors
+    "pointer": [
+        "    ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)",
+        "    rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)",
+        "    rk = tl.arange(0, BLOCK_K)",
+        "    a_ptrs = A + batch * sa_b + ram[:, None] * sa_m + rk[None, :] * sa_k",
+        "    b_ptrs = B + batch * sb_b + rk[:, None] * sb_k + rbn[None, :] * sb_n",
+        "    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+        "    for k in range(0, tl.cdiv(K, BLOCK_K)):",
+        "        if EVEN_K:  # no K tail: unmasked loads",
+        "            a = tl.load(a_ptrs)",
+        "            b = tl.load(b_ptrs)",
+        "        else:",
+        "            a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BLOCK_K, other=0.0)",
+        "            b = tl.load(b_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)",
+        "        if UPCAST:  # the interpreter's low-precision tl.dot is wrong: fp32 there",
+        "            a = a.to(tl.float32)",
+        "            b = b.to(tl.float32)",
+        "        acc = tl.dot(a, b, acc, input_precision=PRECISION)",
+        "        a_ptrs += BLOCK_K * sa_k",
+        "        b_ptrs += BLOCK_K * sb_k",
+    ],
+    # one [M, K] product with unit-stride rows: tiles arrive by TMA (zero-filled past the edges);
+    # B as stored, [K, N], or transposed ("tma_bt": w of F.linear, [N, K], read as w.T)
+    "tma": [
+        "    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+        "    for k in range(0, tl.cdiv(K, BLOCK_K)):",
+        "        a = A.load([pid_m * BLOCK_M, k * BLOCK_K])",
+        "        b = B.load([k * BLOCK_K, pid_n * BLOCK_N])",
+        "        if UPCAST:  # the interpreter's low-precision tl.dot is wrong: fp32 there",
+        "            a = a.to(tl.float32)",
+        "            b = b.to(tl.float32)",
+        "        acc = tl.dot(a, b, acc, input_precision=PRECISION)",
+    ],
+}
+_MAIN_LOOP["tma_bt"] = [line.replace("B.load([k * BLOCK_K, pid_n * BLOCK_N])", "B.load([pid_n * BLOCK_N, k * BLOCK_K]).T")
+                        for line in _MAIN_LOOP["tma"]]
+
+
+def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kinds: tuple,
+                   loads: str = "pointer") -> str:
+    ptrs, strides = _side_args(ep)
+    lines = _header() + [
+        "def gemm_epilogue_kernel(",
+        f"    A, B, Y, Z, P0, P1, {ptrs}",
+        "    M, N, K,",
+        "    sa_b, sa_m, sa_k, sb_b, sb_k, sb_n, sy_b, sy_m, sy_n,",
+        f"    {strides}",
+        "    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,",
+        "    STORE_Z: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):",
+        "    pid = tl.program_id(0)",
+        "    batch = tl.program_id(1)",
+        "    grid_m = tl.cdiv(M, BLOCK_M)",
+        "    grid_n = tl.cdiv(N, BLOCK_N)",
+        "    # grouped order: GROUP_M row tiles share each column tile of B while it is in L2",
+        "    width = GROUP_M * grid_n",
+        "    first_m = (pid // width) * GROUP_M",
+        "    group_m = min(grid_m - first_m, GROUP_M)",
+        "    pid_m = first_m + (pid % width) % group_m",
+        "    pid_n = (pid % width) // group_m",
+        "    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+    ] + _MAIN_LOOP[loads] + [
+        "    mask_m = rm < M",
+        "    mask_n = rn < N",
+        "    mask = mask_m[:, None] & mask_n[None, :]",
+        "    z = acc",
+        "    if STORE_Z:  # the product, for the backward (contiguous [batch, M, N])",
+        f"        tl.store(Z + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('z', z_dtype)}, mask=mask)",
+    ]
+    lines += _side_loads(kinds, "    ")
+    lines += _steps(ep, "    ")
+    y = ep.result()
+    partial = "(batch * M + rm) * grid_n + pid_n"
+    if not ep.reduce:
+        lines.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
+                     "mask=mask)")
+    elif ep.reduce in ("sum", "mean"):
+        lines.append(f"    tl.store(P0 + {partial}, tl.sum(tl.where(mask, {y}, 0.0), 1), mask=mask_m)")
+    elif ep.reduce == "amax":
+        lines.append(f"    tl.store(P0 + {partial}, tl.max(tl.where(mask, {y}, float('-inf')), 1), mask=mask_m)")
+    else:  # logsumexp: the tile's max and its sum of exp(y - max), combined over tiles by `_finish`
+        lines += [f"    y = tl.where(mask, {y}, float('-inf'))",
+                  "    top = tl.max(y, 1)",
+                  "    safe = tl.where(top == float('-inf'), 0.0, top)",
+                  f"    tl.store(P0 + {partial}, top, mask=mask_m)",
+                  f"    tl.store(P1 + {partial}, tl.sum(tl.exp(y - safe[:, None]), 1), mask=mask_m)"]
+    return "\n".join(lines) + "\n"
+
+
+def _reverse(ep: Epilogue, wanted: set, indent: str) -> list:
+    """Reverse-mode chain rule over the steps: g_<name> accumulates d result / d name."""
+    lines, seen = [], set()
+    last = ep.result()
+    lines.append(f"{indent}g_{last} = up")
+    seen.add(last)
+    for k, refs, partials in reversed(list(_partials(ep, wanted))):
+        if f"v{k}" not in seen:
+            continue
+        for ref, partial in zip(refs, partials):
+            if partial is None:
+                continue
+            name = _name(ref)
+            term = f"g_v{k} * ({partial})"
+            lines.append(f"{indent}g_{name} = g_{name} + {term}" if name in seen else f"{indent}g_{name} = {term}")
+            seen.add(name)
+    for name in sorted(wanted - seen):
+        if not name.startswith("v"):
+            lines.append(f"{indent}g_{name} = up * 0.0")
+    return lines
+
+
+def backward_source(ep: Epilogue, z_dtype: torch.dtype, side_modes: tuple, kinds: tuple) -> str:
+    """side_modes[j]: None (no gradient), or (reduce over M, reduce over N) for side j's partial."""
+    ptrs, strides = _side_args(ep)
+    q_ptrs = "".join(f"Q{j}, " for j in range(ep.n_sides))
+    wanted = _wanted(ep, [mode is not None for mode in side_modes])
+    reads_z = ep.backward_reads_product([mode is not None for mode in side_modes])
+    needed = _partial_names(ep, wanted) | ({"z"} if reads_z else set())
+    if reads_z:  # recomputing a step reads every side it uses
+        needed |= {_name(r) for _, refs in ep.steps for r in refs if r[0] == "s"}
+    lines = _header() + [
+        "def gemm_epilogue_backward_kernel(",
+        f"    G, Z, O, DZ, {ptrs}{q_ptrs}",
+        "    M, N, sg_b, sg_m, sg_n,",
+        f"    {strides}",
+        "    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):",
+        "    pid_m = tl.program_id(0)",
+        "    pid_n = tl.program_id(1)",
+        "    batch = tl.program_id(2)",
+        "    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+        "    mask_m = rm < M",
+        "    mask_n = rn < N",
+        "    mask = mask_m[:, None] & mask_n[None, :]",
+    ]
+    if reads_z:
+        lines.append("    z = tl.load(Z + (batch * M + rm[:, None]) * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)")
+    lines += _side_loads(kinds, "    ", needed)
+    if reads_z:
+        lines += _steps(ep, "    ")
+    if not ep.reduce:
+        lines.append("    up = tl.load(G + batch * sg_b + rm[:, None] * sg_m + rn[None, :] * sg_n, mask=mask, "
+                     "other=0.0).to(tl.float32)")
+    else:
+        lines.append("    g = tl.load(G + batch * M + rm, mask=mask_m, other=0.0).to(tl.float32)")
+        if ep.reduce == "sum":
+            lines.append("    up = g[:, None] + tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        elif ep.reduce == "mean":
+            lines.append("    up = g[:, None] / N + tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        elif ep.reduce == "logsumexp":
+            lines += ["    o = tl.load(O + batch * M + rm, mask=mask_m, other=0.0).to(tl.float32)",
+                      f"    up = g[:, None] * tl.exp({ep.result()} - o[:, None])"]
+        else:
+            raise ValueError("amax has no generated backward (its gradient splits ties)")
+    lines += _reverse(ep, wanted, "    ")
+    lines.append(f"    tl.store(DZ + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('g_z', z_dtype)}, mask=mask)")
+    for j, mode in enumerate(side_modes):
+        if mode is None:
+            continue
+        red_m, red_n = mode
+        p = f"tl.where(mask, g_s{j}, 0.0)"
+        if red_m and red_n:
+            lines.append(f"    tl.store(Q{j} + (batch * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n, "
+                         f"tl.sum(tl.sum({p}, 1), 0))")
+        elif red_m:
+            lines.append(f"    tl.store(Q{j} + (batch * tl.num_programs(0) + pid_m) * N + rn, tl.sum({p}, 0), mask=mask_n)")
+        elif red_n:
+            lines.append(f"    tl.store(Q{j} + (batch * M + rm) * tl.num_programs(1) + pid_n, tl.sum({p}, 1), mask=mask_m)")
+        else:
+            lines.append(f"    tl.store(Q{j} + (batch * M + rm[:, None]) * N + rn[None, :], {p}, mask=mask)")
+    return "\n".join(lines) + "\n"
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(key, make_source, name: str):
+    if key not in _KERNELS:
+        _KERNELS[key] = load_kernel(make_source(), "gemm", name)
+    return _KERNELS[key]
+
+
+# --- shapes ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A [batch, M, K] @ [batch, K, N] view of the operands (b's batch stride 0 when it is 2-D; a's
+    leading dims folded into M when that needs no copy), and each side as a [batch, M, N] view."""
+    a: torch.Tensor
+    b: torch.Tensor
+    sides: tuple
+    batch: int
+    m: int
+    n: int
+    k: int
+
+
+def _as_3d(t: torch.Tensor, batch: int, m: int, n: int):
+    try:
+        return t.view(batch, m, n)
+    except (RuntimeError, ValueError):  # not viewable without a copy (meta tensors raise ValueError)
+        return None
+
+
+def layout_check(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when a @ b is a product this kernel computes (2-D or 3-D operands; a 3-D b needs a
+    3-D a with the same batch), else why not."""
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        return f"operands of {a.dim()} and {b.dim()} dims (2-D or 3-D supported)"
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        return f"batched b {list(b.shape)} with a {list(a.shape)}"
+    if a.shape[-1] != b.shape[-2]:
+        return f"inner sizes differ: {list(a.shape)} @ {list(b.shape)}"
+    return None
+
+
+def layout(a: torch.Tensor, b: torch.Tensor, sides: list, shape) -> Layout | None:
+    """The views the kernels read (None when a side cannot be viewed as [batch, M, N])."""
+    k, n = a.shape[-1], b.shape[-1]
+    expanded = [s.expand(shape) for s in sides]
+    if a.dim() == 3 and b.dim() == 2:  # fold a's batch into M when every view allows it
+        folded = _as_3d(a, 1, a.shape[0] * a.shape[1], k)
+        views = [_as_3d(s, 1, a.shape[0] * a.shape[1], n) for s in expanded]
+        if folded is not None and all(v is not None for v in views):
+            return Layout(folded, b.unsqueeze(0), tuple(views), 1, folded.shape[1], n, k)
+    a3 = a if a.dim() == 3 else a.unsqueeze(0)
+    b3 = b if b.dim() == 3 else b.unsqueeze(0).expand(a3.shape[0], k, n)
+    batch, m = a3.shape[0], a3.shape[1]
+    views = [_as_3d(s, batch, m, n) for s in expanded]
+    if any(v is None for v in views):
+        return None
+    return Layout(a3, b3, tuple(views), batch, m, n, k)
+
+
+def reduced_shape(ep: Epilogue, shape) -> list:
+    if not ep.reduce:
+        return list(shape)
+    return list(shape[:-1]) + ([1] if ep.keepdim else [])
+
+
+# --- configs -------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps); Hopper-sized tiles first. Those whose pipeline
+# would not fit shared memory for the dtype are skipped by `configs`.
+CONFIGS = (
+    (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 4, 8),
+    (128, 128, 32, 8, 4, 4), (64, 128, 64, 8, 4, 4),
+)
+INTERPRETER_CONFIG = (32, 32, 32, 4, 1, 4)
+SHARED_MEMORY = 220 * 1024
+
+
+def configs(element_size: int) -> list:
+    if interpreting():
+        return [INTERPRETER_CONFIG]
+    return [c for c in CONFIGS if c[4] * (c[0] * c[2] + c[2] * c[1]) * element_size <= SHARED_MEMORY]
+
+
+def default_config(lay: Layout, element_size: int) -> tuple:
+    """Without a tuned entry: the largest tile that still gives every SM a tile or two (read by TMA
+    where the operands allow it: `_plan`)."""
+    options = configs(element_size)
+    if interpreting():
+        return options[0]
+    tiles = [(triton.cdiv(lay.m, c[0]) * triton.cdiv(lay.n, c[1]) * lay.batch, c) for c in options]
+    for count, c in tiles:
+        if count >= 132:
+            return c
+    return options[-1]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's precision for fp32 operands: TF32 where torch's matmuls use it (allow_tf32)."""
+    if dtype == torch.float32 and (interpreting() or not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+# --- launchers -----------------------------------------------------------------------------------------
+def tma_loads(lay: Layout) -> str | None:
+    """"tma" / "tma_bt" when A and B can be read through TMA descriptors (one unbatched product,
+    unit-stride rows, 16-byte aligned rows and base), else None."""
+    if lay.batch != 1 or not lay.m or not lay.n or not lay.k:
+        return None
+    a2, b2 = lay.a[0], lay.b[0]
+
+    def rows_ok(t):
+        return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    if not rows_ok(a2):
+        return None
+    return "tma" if rows_ok(b2) else "tma_bt" if rows_ok(b2.t()) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    config: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, loads)
+    kernel: object
+    grid: tuple
+
+
+_PLANS: dict = {}
+
+
+def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _Plan:
+    """The launch of one signature (config, compiled kernel, grid), cached: a compiled step calls
+    forward with the same shapes every time, and the tuning lookup formats keys."""
+    tma = tma_loads(lay)
+    key = (ep, lay.a.dtype, lay.a.device, lay.a.stride(), lay.b.stride(), tuple(v.stride() for v in lay.sides),
+           lay.batch, lay.m, lay.n, lay.k, out_dtype, save_product, config, tma, tuning.version())
+    plan = _PLANS.get(key)
+    if plan is None:
+        config = config or tuning.lookup(tuning_key(ep, lay, save_product)) or \
+            tuning.lookup(tuning_key(None, lay, save_product)) or default_config(lay, lay.a.element_size())
+        loads = config[6] if len(config) > 6 else "tma" if tma else "pointer"
+        if loads != "pointer":  # a tuned TMA config on operands that do not allow it reads by pointers
+            loads = tma or "pointer"
+        config = (*config[:6], loads)
+        kinds = side_kinds(lay.sides)
+        kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads),
+                         lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads), "gemm_epilogue_kernel")
+        grid = (triton.cdiv(lay.m, config[0]) * triton.cdiv(lay.n, config[1]), lay.batch)
+        plan = _PLANS[key] = _Plan(config, kernel, grid)
+    return plan
+
+
+def _operands(lay: Layout, loads: str, bm: int, bn: int, bk: int) -> tuple:
+    """A and B as the kernel reads them: the [batch, ., .] views, or TMA descriptors of their tiles."""
+    if loads == "pointer":
+        return lay.a, lay.b
+    a2, b2 = lay.a[0], lay.b[0]
+    if loads == "tma_bt":
+        return TensorDescriptor.from_tensor(a2, [bm, bk]), TensorDescriptor.from_tensor(b2.t(), [bn, bk])
+    return TensorDescriptor.from_tensor(a2, [bm, bk]), TensorDescriptor.from_tensor(b2, [bk, bn])
+
+
+def forward(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save_product: bool, config=None):
+    """(y, z): y = epilogue(a @ b) in `shape` (reduced over its last dim if the epilogue reduces),
+    z = the product in `shape` when save_product (else an empty tensor). config: a tile config
+    (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps); None: the tuned one, else a default."""
+    lay = layout(a, b, sides, shape)
+    if lay is None:
+        raise ValueError(f"a side input cannot be read as [batch, M, N] for shape {list(shape)}")
+    plan = _plan(ep, lay, out_dtype, save_product, config)
+    bm, bn, bk, group, stages, warps, loads = plan.config
+    grid_n = triton.cdiv(lay.n, bn)
+    dev = a.device
+    y3 = alloc((lay.batch, lay.m, lay.n) if not ep.reduce else (0,), out_dtype, dev)
+    z3 = alloc((lay.batch, lay.m, lay.n) if save_product else (0,), a.dtype, dev)
+    parts = ((lay.batch, lay.m, grid_n) if ep.reduce else (0,))
+    p0 = alloc(parts, torch.float32, dev)
+    p1 = alloc(parts if ep.reduce == "logsumexp" else (0,), torch.float32, dev)
+    if lay.m and lay.n:
+        side_strides = [s for v in lay.sides for s in v.stride()]
+        y_strides = y3.stride() if not ep.reduce else (0, 0, 0)
+        a_in, b_in = _operands(lay, loads, bm, bn, bk)
+        plan.kernel[plan.grid](a_in, b_in, y3, z3, p0, p1, *lay.sides, lay.m, lay.n, lay.k,
+                               *lay.a.stride(), *lay.b.stride(), *y_strides, *side_strides,
+                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, STORE_Z=save_product,
+                               UPCAST=interpreting(), PRECISION=_precision(a.dtype), EVEN_K=lay.k % bk == 0,
+                               num_stages=stages, num_warps=warps)
+    y = y3.view(shape) if not ep.reduce else _finish(ep, p0, p1, lay.n).to(out_dtype).view(reduced_shape(ep, shape))
+    z = z3.view(shape) if save_product else z3
+    return y, z
+
+
+def _finish(ep: Epilogue, p0: torch.Tensor, p1: torch.Tensor, n: int) -> torch.Tensor:
+    """The second stage of a reduction: combine the per-tile partials over N ([batch, M, tiles])."""
+    if ep.reduce == "sum":
+        return p0.sum(-1)
+    if ep.reduce == "mean":
+        return p0.sum(-1) / n
+    if ep.reduce == "amax":
+        return p0.amax(-1)
+    top = p0.amax(-1, keepdim=True)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    return (safe + torch.log((p1 * torch.exp(p0 - safe)).sum(-1, keepdim=True))).squeeze(-1)
+
+
+def broadcast_dims(side_shape, shape, lay_shape) -> tuple[bool, bool, bool]:
+    """Which dims of the [batch, M, N] view a side is broadcast over (its gradient sums over them)."""
+    view = _as_3d(torch.empty(side_shape, device="meta").expand(shape), *lay_shape)
+    return tuple(st == 0 and size > 1 for st, size in zip(view.stride(), lay_shape))
+
+
+BACKWARD_TILE = (64, 64, 4)
+INTERPRETER_BACKWARD_TILE = (32, 32, 4)
+
+
+def backward(ep: Epilogue, grad, product, out, sides: list, shape, side_needs: list, product_dtype: torch.dtype,
+             a_shape, b_shape):
+    """(dz in `shape`, [d side j or None]): the epilogue's backward from the upstream gradient
+    (the reduced gradient when the epilogue reduces), the saved product and, for logsumexp, its
+    output."""
+    dev = grad.device
+    meta_a = torch.empty(a_shape, device="meta")
+    meta_b = torch.empty(b_shape, device="meta")
+    lay = layout(meta_a, meta_b, [torch.empty(s.shape, device="meta") for s in sides], shape)
+    views = [_as_3d(s.expand(shape), lay.batch, lay.m, lay.n) for s in sides]
+    bm, bn, warps = INTERPRETER_BACKWARD_TILE if interpreting() else BACKWARD_TILE
+    tm, tn = triton.cdiv(lay.m, bm), triton.cdiv(lay.n, bn)
+    modes, partials = [], []
+    for s, need in zip(sides, side_needs):
+        if not need:
+            modes.append(None)
+            partials.append(alloc((0,), torch.float32, dev))
+            continue
+        _, red_m, red_n = broadcast_dims(s.shape, shape, (lay.batch, lay.m, lay.n))
+        modes.append((red_m, red_n))
+        partials.append(alloc((lay.batch, tm if red_m else lay.m, tn if red_n else lay.n), torch.float32, dev))
+    dz = alloc((lay.batch, lay.m, lay.n), product_dtype, dev)
+    if ep.reduce:
+        g3 = grad.reshape(lay.batch, lay.m).contiguous()
+        g_strides = (0, 0, 0)
+    else:
+        g3 = grad.view(lay.batch, lay.m, lay.n) if grad.is_contiguous() else grad.reshape(lay.batch, lay.m, lay.n)
+        g_strides = g3.stride()
+    o = out.reshape(lay.batch, lay.m).contiguous() if ep.reduce == "logsumexp" else out
+    if lay.m and lay.n:
+        modes_t, kinds = tuple(modes), side_kinds(views)
+        kernel = _kernel(("bwd", ep, product_dtype, modes_t, kinds),
+                         lambda: backward_source(ep, product_dtype, modes_t, kinds), "gemm_epilogue_backward_kernel")
+        side_strides = [st for v in views for st in v.stride()]
+        kernel[(tm, tn, lay.batch)](g3, product, o, dz, *views, *partials, lay.m, lay.n, *g_strides, *side_strides,
+                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    grads = []
+    for s, mode, part in zip(sides, modes, partials):
+        if mode is None:
+            grads.append(None)
+            continue
+        red_b = broadcast_dims(s.shape, shape, (lay.batch, lay.m, lay.n))[0]
+        dims = [d for d, red in zip((0, 1, 2), (red_b, *mode)) if red]
+        total = part.sum(dims, keepdim=True) if dims else part
+        if not lay.m or not lay.n:
+            total = torch.zeros(1, device=dev).expand(s.shape)
+        grads.append(total.reshape(s.shape).to(s.dtype))
+    return dz.view(shape), grads
+
+
+def tuning_key(ep: Epilogue | None, lay: Layout, save_product: bool) -> str:
+    """The cache key of a shape (ep None: the tile sweep, shared by every epilogue on that product)
+    or of one epilogue on it (its own time at the shape's config)."""
+    device = torch.cuda.get_device_name(lay.a.device) if lay.a.device.type == "cuda" else lay.a.device.type
+    what = ep.text() if ep is not None else "sweep"
+    return (f"{device}|{what}|{lay.a.dtype}|{lay.batch}x{lay.m}x{lay.n}x{lay.k}|a{lay.a.stride()}|b{lay.b.stride()}"
+            f"|z{int(save_product)}")
+
+
+def _bench(fn) -> float:
+    """Milliseconds per call, replayed from a CUDA graph (GPU time without Python's launch cost,
+    the same for every side of a comparison)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20)
+    except Exception:  # noqa: BLE001  (a call that cannot be captured is timed with launches)
+        return triton.testing.do_bench(fn, warmup=5, rep=25)
+
+
+def tune(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save_product: bool) -> dict:
+    """Time the product's tile configs once per shape (CUDA only; the epilogue changes little of a
+    GEMM's best tile, so the sweep runs with this first epilogue and is shared), then this epilogue
+    at the chosen config, and cuBLAS on the bare product. Returns the stored entry of the epilogue:
+    {"config", "ms", "cublas_ms"}; `forward` launches with its config from then on."""
+    lay = layout(a, b, sides, shape)
+    key, sweep_key = tuning_key(ep, lay, save_product), tuning_key(None, lay, save_product)
+    known = tuning.entry(key)
+    if known is not None:
+        return known
+    sweep = tuning.entry(sweep_key)
+    if sweep is None:
+        best = None
+        tma = tma_loads(lay)
+        for config in [(*c, loads) for c in configs(a.element_size()) for loads in ("pointer", tma) if loads]:
+            try:
+                ms = _bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config))
+            except Exception:  # noqa: BLE001  (a config that does not compile for this dtype is skipped)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, config)
+        if best is None:
+            raise RuntimeError("no GEMM tile config compiled for this shape")
+        sweep = {"config": list(best[1]), "ms": best[0], "cublas_ms": _bench(lambda: torch.matmul(a, b))}
+        tuning.record(sweep_key, sweep)
+    config = tuple(sweep["config"])
+    found = {"config": list(config), "cublas_ms": sweep["cublas_ms"],
+             "ms": _bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config))}
+    tuning.record(key, found)
+    return found
