@@ -41,6 +41,13 @@ class Epilogue:
     reduce: str = ""  # "" or one of REDUCTIONS, over the last dim
     keepdim: bool = False
 
+    def __post_init__(self):
+        if self.reduce and self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce={self.reduce!r}: expected one of {REDUCTIONS}")
+        unknown = sorted({op for op, _ in self.steps} - set(DERIVATIVES))
+        if unknown:
+            raise ValueError(f"epilogue ops {unknown} have no generated form")
+
     def text(self) -> str:
         return repr(dataclasses.astuple(self))
 

@@ -15,7 +15,6 @@ from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
 from .constants import EXAMPLE
 from .decisions import Decision, DecisionLog
-from .pattern import registered_patterns
 
 
 class FusionBackend:

@@ -186,6 +186,10 @@ def test_backward_reads_the_product_only_when_needed():
 def test_epilogue_text_round_trip():
     ep = gemm.Epilogue(1, (("add", (Z, s(0))), ("leaky_relu", (V0, c(0.1)))), "logsumexp", True)
     assert gemm.Epilogue.parse(ep.text()) == ep
+    with pytest.raises(ValueError, match="no generated form"):
+        gemm.Epilogue(0, (("sin", (Z,)),))
+    with pytest.raises(ValueError, match="reduce"):
+        gemm.Epilogue(0, (), "median")
 
 
 def test_output_is_poisoned_then_fully_written():

@@ -276,3 +276,9 @@ def test_verification_under_the_interpreter_runs_at_a_proxy_size():
     assert shape == [2, 2, 48] and list(a.shape) == [4, 40] and list(b.shape) == [40, 48]
     assert b.stride(0) == 1  # w.t(), as F.linear's weight
     assert list(row.shape) == [2, 2, 1] and list(bias.shape) == [48]
+
+
+def test_every_matched_op_has_a_generated_form_and_derivative():
+    from fusion_compiler.codegen.pointwise import DERIVATIVES, TRITON
+    from fusion_compiler.patterns import gemm as family
+    assert set(family.OPS) <= set(TRITON) and set(family.OPS) <= set(DERIVATIVES)
