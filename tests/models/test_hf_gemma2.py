@@ -49,4 +49,6 @@ def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
     assert all(d.verdict == "rejected" for d in attention)
     assert {d.location for d in attention if "backward on CPU" in d.reason} == {d.location for d in attention}
     assert len([d for d in attention if "backward on CPU" in d.reason]) >= LAYERS
-    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 2  # + loss, embedding
+    # + loss, embedding, and the LM head's soft-cap tanh(logits / c) * c as a GEMM epilogue
+    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 3
+    assert [d.pattern for d in be.log.decisions if d.family == "gemm"] == ["gemm_epilogue"]
