@@ -44,6 +44,8 @@ class DeviceProfile:
     # Inductor's product + epilogue over cuBLAS's timed product + one pass at full bandwidth (it
     # fuses a bias and relu/gelu into cuBLASLt's epilogue, and its pass can beat the copy figure)
     gemm_handoff: float = 1.0
+    sms: int = 132  # streaming multiprocessors (H100 SXM, H200): the GEMM tile waves
+    horizontal_measured: bool = False  # has horizontal GEMM fusion been timed on this card
 
 
 # H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
@@ -371,3 +373,37 @@ def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, basel
         ours_s, baseline_s = ours_s + backward_s * p.gemm_backward, baseline_s + backward_s
         note += f"; backward est. {backward_s * 1e6:.1f} us, ours x{p.gemm_backward:.2f}"
     return Estimate(ours_s, baseline_s, ours_bytes, baseline_bytes, ctx.baseline, note)
+
+
+def _wave_efficiency(m: int, n: int, sms: int, tile: int = 128) -> float:
+    """The fraction of SM slots a GEMM's 128x128 output tiles fill over its waves."""
+    tiles = -(-m // tile) * -(-n // tile)
+    return tiles / (-(-tiles // sms) * sms)
+
+
+def estimate_horizontal(a, weights: list, ctx: CostContext) -> Estimate:
+    """Linears sharing their input as one GEMM over concatenated weights, against one GEMM each
+    (cuBLAS for both). Fused: one launch and fuller tile waves, but the weights are concatenated every
+    call (read + write) and, in training, the output gradients are concatenated for the backward
+    (read + write) while the weight gradients come back as views; separate: a launch and a wave tail
+    per linear and, in training, the input gradients of all but one added up."""
+    p = ctx.profile
+    m, k, es = a.numel() // a.shape[-1], a.shape[-1], a.element_size()
+    ns = [w.shape[0] for w in weights]
+    passes = 3 if ctx.training else 1  # forward, then the input and the weight gradients
+
+    def gemm_s(n: int) -> float:
+        flops = 2.0 * m * n * k
+        moved = (m * k + n * k + m * n) * es
+        return p.launch_s + max(flops / (p.matmul_flops * p.gemm[1] * _wave_efficiency(m, n, p.sms)),
+                                moved / p.bandwidth)
+    separate = passes * sum(gemm_s(n) for n in ns)
+    concat = 2 * sum(ns) * k * es + (2 * m * sum(ns) * es if ctx.training else 0)
+    fused = passes * gemm_s(sum(ns)) + p.launch_s * (2 if ctx.training else 1) + concat / p.bandwidth
+    if ctx.training:
+        separate += (len(ns) - 1) * (p.launch_s + 3 * m * k * es / p.bandwidth)
+    reread = (len(ns) - 1) * m * k * es * passes  # the shared input, read once instead of once per linear
+    return Estimate(fused, separate, concat, concat + reread, ctx.baseline,
+                    f"{len(ns)} x [{m}, {k}] @ [{k}, {'/'.join(map(str, ns))}]; concatenation "
+                    f"{concat / 2**20:.1f} MiB moved; wave fill {_wave_efficiency(m, sum(ns), p.sms):.2f} vs "
+                    f"{min(_wave_efficiency(m, n, p.sms) for n in ns):.2f}")

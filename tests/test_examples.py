@@ -22,6 +22,7 @@ def test_custom_pattern_example():
 
 def test_demo_trains_and_prints_decisions():
     out = _run("train_llama.py", "--steps", "2")
-    assert "14 candidates: 14 applied" in out  # 13 regions of the model, the AdamW step
+    # 13 regions of the model (and per layer q/k/v and gate/up as horizontal GEMMs), the AdamW step
+    assert "18 candidates: 18 applied" in out
     assert "optimizer_adam             applied" in out
     assert "add_rms_norm      applied" in out and "glu_silu          rejected" in out

@@ -39,7 +39,8 @@ def test_gemma2_inference_rewrites_every_region():
     # full layers: the causal block mask; sliding-window layers: the block mask reduced from the window
     assert applied == {"attention_softcap_causal_mask": LAYERS // 2, "attention_softcap_block_mask": LAYERS // 2, "add_rms_norm": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1,
                        "rope_rotate_half": 2 * LAYERS, "glu_gelu_tanh": LAYERS, "embedding": 1,
-                       "gemm_epilogue": 1}  # the LM head's final logit soft-cap: tanh(logits / c) * c
+                       "gemm_epilogue": 1,  # the LM head's final logit soft-cap: tanh(logits / c) * c
+                       "gemm_horizontal": 2 * LAYERS}  # q/k/v and gate/up
 
 
 def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
@@ -49,6 +50,8 @@ def test_gemma2_trains_with_the_attention_left_to_eager_on_cpu():
     assert all(d.verdict == "rejected" for d in attention)
     assert {d.location for d in attention if "backward on CPU" in d.reason} == {d.location for d in attention}
     assert len([d for d in attention if "backward on CPU" in d.reason]) >= LAYERS
-    # + loss, embedding, and the LM head's soft-cap tanh(logits / c) * c as a GEMM epilogue
-    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 2 * LAYERS + 3
-    assert [d.pattern for d in be.log.decisions if d.family == "gemm"] == ["gemm_epilogue"]
+    # + loss, embedding, the LM head's soft-cap tanh(logits / c) * c as a GEMM epilogue, and per layer
+    # q/k/v and gate/up as horizontal GEMMs
+    assert len([d for d in be.log.decisions if d.verdict == "applied"]) == 5 * LAYERS + 1 + 4 * LAYERS + 3
+    assert sorted(d.pattern for d in be.log.decisions if d.family == "gemm") == \
+        ["gemm_epilogue"] + ["gemm_horizontal"] * (2 * LAYERS)

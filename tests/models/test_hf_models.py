@@ -69,8 +69,9 @@ def test_trains_with_every_region_fused(name, drop_logits):
     # the first input norm has no residual add before it; the rest (and the final norm) do; with
     # drop_logits the LM head and the loss are one chunked op (the logits come back empty)
     loss = "linear_cross_entropy_mean" if drop_logits else "cross_entropy_mean"
+    # per layer, q/k/v and gate/up are two horizontal GEMMs
     assert applied == {"rms_norm": 1, "add_rms_norm": 2 * LAYERS, "rope_rotate_half": 2 * LAYERS,
-                       "glu_silu": LAYERS, loss: 1, "embedding": 1}
+                       "glu_silu": LAYERS, loss: 1, "embedding": 1, "gemm_horizontal": 2 * LAYERS}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -123,14 +124,15 @@ def test_bf16_llama_step_is_as_close_to_float64_as_eager_bf16():
     assert abs(losses[2] - losses[0]) <= 3 * abs(losses[1] - losses[0]) + 1e-3 * abs(losses[0])
     for (n, p), e, x in zip(ours.named_parameters(), eager.parameters(), exact.parameters()):
         assert rel_err(p.grad, x.grad) <= 3 * rel_err(e.grad, x.grad) + 1e-3, n
-    assert fc.Report(be.log.decisions).summary()["applied"] == 14  # norms, RoPE, SwiGLU, attention, loss
+    # norms, RoPE, SwiGLU, attention, loss, and per layer the q/k/v and gate/up horizontal GEMMs
+    assert fc.Report(be.log.decisions).summary()["applied"] == 14 + 2 * LAYERS
 
 
 def test_llama_with_every_rewrite_inside_inductors_generated_code():
     """Inductor hand-off with the rewrites forced: our ops (norms, RoPE, SwiGLU, SDPA, the chunked LM
-    head + cross-entropy) run from Inductor's generated code, forward and backward, and 3 steps match
+    head + cross-entropy, q/k/v and gate/up as horizontal GEMMs) run from Inductor's generated code, forward and backward, and 3 steps match
     eager. (This caught a fake kernel whose layout depended on the incoming gradient's strides.)"""
     be = fc.backend(cost_model="always", drop_logits=True)
     train_both_and_compare(lambda: LlamaForCausalLM(LlamaConfig(**SMALL, attn_implementation="eager")), be)
-    assert fc.Report(be.log.decisions).summary() == {"candidates": 15, "applied": 15, "rejected": 0,
+    assert fc.Report(be.log.decisions).summary() == {"candidates": 19, "applied": 19, "rejected": 0,
                                                      "near-miss": 0, "fallback": 0}

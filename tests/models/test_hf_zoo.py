@@ -16,9 +16,10 @@ import fusion_compiler as fc
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
+# gemm_horizontal: per layer q/k/v and gate/up (Starcoder2: q/k/v; its MLP is c_fc + GELU)
 ZOO = {
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(SMALL, head_dim=16),
-              {"add_rms_norm": 4, "rms_norm": 5, "rope_rotate_half": 4, "glu_silu": 2}),
+              {"add_rms_norm": 4, "rms_norm": 5, "rope_rotate_half": 4, "glu_silu": 2, "gemm_horizontal": 4}),
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(SMALL, pad_token_id=0),
              {"add_rms_norm": 4, "rms_norm": 1, "glu_silu_packed": 2, "rope_rotate_half": 4}),
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM,
@@ -28,9 +29,9 @@ ZOO = {
                  {"layer_norm": 5, "rope_rotate_half": 4, "gemm_epilogue": 4}),
     "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, dict(SMALL, residual_dropout=0.0, embedding_dropout=0.0),
                    # per layer: c_fc + tanh-GELU; o_proj and c_proj + their residual adds
-                   {"layer_norm": 5, "rope_rotate_half": 4, "gemm_epilogue": 6}),
+                   {"layer_norm": 5, "rope_rotate_half": 4, "gemm_epilogue": 6, "gemm_horizontal": 2}),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(SMALL, head_dim=16),
-              {"add_rms_norm": 4, "rms_norm": 1, "rope_rotate_half": 4, "glu_gelu_tanh": 2}),
+              {"add_rms_norm": 4, "rms_norm": 1, "rope_rotate_half": 4, "glu_gelu_tanh": 2, "gemm_horizontal": 4}),
 }
 
 
