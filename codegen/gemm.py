@@ -21,16 +21,19 @@ in a JSON file (tuning.py), which `forward` reads.
 """
 import ast
 import dataclasses
+import functools
+import re
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
-from .launch import alloc, interpreting, load_kernel
+from .launch import alloc, interpreting, load_kernel, sm_count
 from .pointwise import DERIVATIVES, ROUND_BF16, TRITON
 
 REDUCTIONS = ("sum", "mean", "amax", "logsumexp")
+_VALUE = re.compile(r"\b(z|[sv]\d+)\b")
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
 
@@ -52,7 +55,9 @@ class Epilogue:
         return repr(dataclasses.astuple(self))
 
     @staticmethod
+    @functools.lru_cache(maxsize=1024)
     def parse(text: str) -> "Epilogue":
+        """The epilogue of `text` (cached: the op parses its argument at every call)."""
         n_sides, steps, reduce, keepdim = ast.literal_eval(text)
         return Epilogue(n_sides, tuple((op, tuple(refs)) for op, refs in steps), reduce, keepdim)
 
@@ -98,15 +103,9 @@ def _partial_names(ep: Epilogue, wanted: set) -> set:
     return names
 
 
-def _tokens(expr: str):
-    word = ""
-    for ch in expr + " ":
-        if ch.isalnum() or ch == "_":
-            word += ch
-        else:
-            if word and (word == "z" or (word[0] in "sv" and word[1:].isdigit())):
-                yield word
-            word = ""
+def _tokens(expr: str) -> list:
+    """The kernel values an expression reads: the product z, sides s<j>, steps v<k>."""
+    return _VALUE.findall(expr)
 
 
 def _cast(expr: str, dtype: torch.dtype) -> str:
@@ -418,9 +417,10 @@ def default_config(lay: Layout, element_size: int) -> tuple:
     options = configs(element_size)
     if interpreting():
         return options[0]
+    sms = sm_count(lay.a.device)
     tiles = [(triton.cdiv(lay.m, c[0]) * triton.cdiv(lay.n, c[1]) * lay.batch, c) for c in options]
     for count, c in tiles:
-        if count >= 132:
+        if count >= sms:
             return c
     return options[-1]
 
@@ -542,51 +542,70 @@ BACKWARD_TILE = (64, 64, 4)
 INTERPRETER_BACKWARD_TILE = (32, 32, 4)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    batch: int
+    m: int
+    n: int
+    modes: tuple  # per side: None (no gradient) or (sum over M, sum over N) in the tile
+    batch_sums: tuple  # per side: is its gradient summed over the batch too
+    kernel: object
+
+
+_BACKWARD_PLANS: dict = {}
+
+
+def _backward_plan(ep: Epilogue, sides: list, shape, side_needs, product_dtype, a_shape, b_shape) -> _BackwardPlan:
+    """The backward launch of one signature, cached like the forward's (`_plan`)."""
+    key = (ep, tuple(shape), tuple(a_shape), tuple(b_shape), tuple((tuple(s.shape), s.stride()) for s in sides),
+           tuple(side_needs), product_dtype)
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        lay = layout(torch.empty(a_shape, device="meta"), torch.empty(b_shape, device="meta"), sides, shape)
+        dims = [broadcast_dims(s.shape, shape, (lay.batch, lay.m, lay.n)) if need else None
+                for s, need in zip(sides, side_needs)]
+        modes = tuple(None if d is None else d[1:] for d in dims)
+        kinds = side_kinds(lay.sides)
+        kernel = _kernel(("bwd", ep, product_dtype, modes, kinds),
+                         lambda: backward_source(ep, product_dtype, modes, kinds), "gemm_epilogue_backward_kernel")
+        plan = _BACKWARD_PLANS[key] = _BackwardPlan(lay.batch, lay.m, lay.n, modes,
+                                                    tuple(d is not None and d[0] for d in dims), kernel)
+    return plan
+
+
 def backward(ep: Epilogue, grad, product, out, sides: list, shape, side_needs: list, product_dtype: torch.dtype,
              a_shape, b_shape):
     """(dz in `shape`, [d side j or None]): the epilogue's backward from the upstream gradient
     (the reduced gradient when the epilogue reduces), the saved product and, for logsumexp, its
     output."""
     dev = grad.device
-    meta_a = torch.empty(a_shape, device="meta")
-    meta_b = torch.empty(b_shape, device="meta")
-    lay = layout(meta_a, meta_b, [torch.empty(s.shape, device="meta") for s in sides], shape)
-    views = [_as_3d(s.expand(shape), lay.batch, lay.m, lay.n) for s in sides]
+    plan = _backward_plan(ep, sides, shape, side_needs, product_dtype, a_shape, b_shape)
+    batch, m, n = plan.batch, plan.m, plan.n
+    views = [_as_3d(s.expand(shape), batch, m, n) for s in sides]
     bm, bn, warps = INTERPRETER_BACKWARD_TILE if interpreting() else BACKWARD_TILE
-    tm, tn = triton.cdiv(lay.m, bm), triton.cdiv(lay.n, bn)
-    modes, partials = [], []
-    for s, need in zip(sides, side_needs):
-        if not need:
-            modes.append(None)
-            partials.append(alloc((0,), torch.float32, dev))
-            continue
-        _, red_m, red_n = broadcast_dims(s.shape, shape, (lay.batch, lay.m, lay.n))
-        modes.append((red_m, red_n))
-        partials.append(alloc((lay.batch, tm if red_m else lay.m, tn if red_n else lay.n), torch.float32, dev))
-    dz = alloc((lay.batch, lay.m, lay.n), product_dtype, dev)
+    tm, tn = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    partials = [alloc((0,), torch.float32, dev) if mode is None else
+                alloc((batch, tm if mode[0] else m, tn if mode[1] else n), torch.float32, dev) for mode in plan.modes]
+    dz = alloc((batch, m, n), product_dtype, dev)
     if ep.reduce:
-        g3 = grad.reshape(lay.batch, lay.m).contiguous()
+        g3 = grad.reshape(batch, m).contiguous()
         g_strides = (0, 0, 0)
     else:
-        g3 = grad.view(lay.batch, lay.m, lay.n) if grad.is_contiguous() else grad.reshape(lay.batch, lay.m, lay.n)
+        g3 = grad.view(batch, m, n) if grad.is_contiguous() else grad.reshape(batch, m, n)
         g_strides = g3.stride()
-    o = out.reshape(lay.batch, lay.m).contiguous() if ep.reduce == "logsumexp" else out
-    if lay.m and lay.n:
-        modes_t, kinds = tuple(modes), side_kinds(views)
-        kernel = _kernel(("bwd", ep, product_dtype, modes_t, kinds),
-                         lambda: backward_source(ep, product_dtype, modes_t, kinds), "gemm_epilogue_backward_kernel")
+    o = out.reshape(batch, m).contiguous() if ep.reduce == "logsumexp" else out
+    if m and n:
         side_strides = [st for v in views for st in v.stride()]
-        kernel[(tm, tn, lay.batch)](g3, product, o, dz, *views, *partials, lay.m, lay.n, *g_strides, *side_strides,
-                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        plan.kernel[(tm, tn, batch)](g3, product, o, dz, *views, *partials, m, n, *g_strides, *side_strides,
+                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     grads = []
-    for s, mode, part in zip(sides, modes, partials):
+    for s, mode, red_b, part in zip(sides, plan.modes, plan.batch_sums, partials):
         if mode is None:
             grads.append(None)
             continue
-        red_b = broadcast_dims(s.shape, shape, (lay.batch, lay.m, lay.n))[0]
         dims = [d for d, red in zip((0, 1, 2), (red_b, *mode)) if red]
         total = part.sum(dims, keepdim=True) if dims else part
-        if not lay.m or not lay.n:
+        if not m or not n:
             total = torch.zeros(1, device=dev).expand(s.shape)
         grads.append(total.reshape(s.shape).to(s.dtype))
     return dz.view(shape), grads

@@ -63,13 +63,20 @@ def bwd_row_tile(n_cols: int) -> tuple[int, int, int, int]:
 _SMS: dict = {}
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter's default tile)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 def persistent_programs(n_blocks: int, device: torch.device, per_sm: int = 2) -> int:
     """Programs for a persistent grid that loops over n_blocks blocks (one partial result each)."""
-    if device.type == "cuda":
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_blocks, per_sm * _SMS[device]))
-    return max(1, min(n_blocks, 4))
+    if device.type != "cuda":
+        return max(1, min(n_blocks, 4))
+    return max(1, min(n_blocks, per_sm * sm_count(device)))
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
