@@ -11,6 +11,10 @@ def _p(*shape, dtype, grad=True):
     return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
 
 
+_GELU_BIAS = "(1, (('add', (('z',), ('s', 0))), ('gelu', (('v', 0),))), '', False)"
+_LSE = "(0, (('tanh', (('z',),)),), 'logsumexp', False)"
+
+
 def cases(dtype):
     theta = torch.randn(2, 1, 5, 8)
     return [
@@ -33,11 +37,15 @@ def cases(dtype):
                                        torch.randint(0, 50, (6,)), 3, "none", 0.0, 5.0, False)),
         (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (3, 5)), -1)),
         (fusion.embedding, (_p(20, 8, dtype=dtype), torch.randint(0, 20, (7,)), 2)),
+        (fusion.gemm_epilogue, (_GELU_BIAS, _p(3, 5, 24, dtype=dtype), _p(24, 20, dtype=dtype), [_p(20, dtype=dtype)],
+                                [3, 5, 20], dtype, True)),
+        (fusion.gemm_epilogue, (_LSE, _p(3, 5, 24, dtype=dtype), _p(3, 24, 20, dtype=dtype), [], [3, 5, 20],
+                                dtype, True)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(16))
+@pytest.mark.parametrize("index", range(18))
 def test_opcheck(dtype, index):
     op, args = cases(dtype)[index]
     torch.library.opcheck(op, args)
