@@ -90,8 +90,8 @@ _LINEAR_CE_H200 = ((32000, 0.99), (128256, 1.08), (1 << 30, 1.12))
 # Inductor 4.21 on the foreach graph and 3.95 on the for-loop graph; over the 4.3 TB/s of the profile
 _MULTI_TENSOR_H200 = (0.96, 0.98, 0.92)
 # GEMM + epilogue, bf16 (benchmarks/runs/2026-12-03-h200-gemm-{2,3}.json): Linear(8192, 8192) on 1024
-# rows, 137 GFLOP: our kernel (TMA loads, untuned) with its epilogue 0.218 ms (80% of 790 TFLOP/s),
-# cuBLAS ~0.178 ms (98%); fwd+bwd of the fused regions ~1.13x Inductor's (16384 x 1024 -> 1024, run 2),
+# rows, 137 GFLOP: our kernel (TMA loads, untuned) with its epilogue 0.218 ms (80% of 790 TFLOP/s;
+# forced, run 3), cuBLAS ~0.178 ms (98%); fwd+bwd of the fused regions ~1.13x Inductor's (16384 x 1024 -> 1024, run 2),
 # the backward alone ~1.2x; Inductor's forward 0.90 (bf16) / 0.91 (fp32) of the timed estimate (run 3)
 _GEMM_H200 = (0.80, 0.98)
 _GEMM_BACKWARD_H200 = 1.2
