@@ -36,6 +36,8 @@ def size_hint(x, fallback: int = 4096) -> int:
 # that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
 # the function Dynamo records for a grad-mode change inside a graph (torch.optim's step, no_grad)
 set_grad_enabled = torch._C._set_grad_enabled
+# the grouped GEMM over row ranges (public as F.grouped_mm from torch 2.12, private before)
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
@@ -51,6 +53,7 @@ __all__ = [
     "compile_fx",
     "detect_fake_mode",
     "get_hash_for_files",
+    "grouped_mm",
     "set_grad_enabled",
     "size_hint",
     "tracing",

@@ -5,6 +5,7 @@ from typing import Optional
 HANDOFFS = ("inductor", "aot_eager", "eager")
 COST_MODELS = ("roofline", "always")
 BASELINES = ("inductor", "eager")
+MOE_IMPLS = ("auto", "triton", "grouped_mm")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,9 @@ class FusionConfig:
         against cuBLAS on the bare product once per shape, and fuse only where the kernel is faster
         than cuBLAS plus the epilogue pass Inductor would add; the timings are kept on disk
         (codegen/tuning.py), so a shape is timed once per machine. Off: the roofline alone decides.
+    moe_impl: how routed experts run: "auto" (the cost model picks per shape), "triton" (generated
+        grouped GEMMs gathering rows in-kernel) or "grouped_mm" (torch's grouped GEMM; bf16 on CUDA,
+        16-byte aligned rows), where the operands allow it.
     overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
         overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
     """
@@ -73,6 +77,7 @@ class FusionConfig:
     overlap_chunks: Optional[int] = None
     skip_clipped_grad_store: bool = False
     gemm_timing: bool = True
+    moe_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("families", "patterns"):
@@ -83,6 +88,8 @@ class FusionConfig:
             raise ValueError(f"handoff={self.handoff!r}: expected one of {HANDOFFS}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model={self.cost_model!r}: expected one of {COST_MODELS}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={self.moe_impl!r}: expected one of {MOE_IMPLS}")
         if self.cost_baseline is not None and self.cost_baseline not in BASELINES:
             raise ValueError(f"cost_baseline={self.cost_baseline!r}: expected one of {BASELINES}")
 

@@ -46,6 +46,9 @@ class DeviceProfile:
     gemm_handoff: float = 1.0
     sms: int = 132  # streaming multiprocessors (H100 SXM, H200): the GEMM tile waves
     horizontal_measured: bool = False  # has horizontal GEMM fusion been timed on this card
+    # fraction of matmul_flops the routed experts' grouped GEMMs reach: (our Triton kernels,
+    # torch's grouped_mm); () until measured on the card (then a rewrite is never estimated faster)
+    moe: tuple = ()
 
 
 # H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
@@ -359,6 +362,43 @@ def estimate_gemm_epilogue(a, b, sides: list, shape, out, n_ops: int, save_produ
     return Estimate(ours, base, ours_bytes, base_bytes, ctx.baseline,
                     f"{flops / 1e9:.2f} GFLOP; GEMM at {ours_eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
                     f"(cuBLAS {cublas_eff:.0%}, {p.name} profile); product {'saved' if save_product else 'not written'}")
+
+
+def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
+    """Routed experts (shape: tokens, top_k, width, ffn, experts, gated, dtype) as fusion::moe_experts
+    with `impl` against the spelling's own graph under the baseline: both run the same FLOPs (two or
+    three grouped GEMMs forward, twice that backward); they differ in the GEMMs' efficiency and in the
+    passes around them. The spelling gathers the token rows into a permuted copy, runs the activation
+    as its own pass, then scales, un-permutes and sums the slots (and the mirror image backward); ours
+    (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
+    (output) and backward (input gradient); grouped_mm keeps the copies."""
+    p = ctx.profile
+    rows, width, ffn = shape["tokens"] * shape["top_k"], shape["width"], shape["ffn"]
+    b, g = torch.empty(0, dtype=shape["dtype"]).element_size(), 2 if shape["gated"] else 1
+    flops = 2.0 * rows * width * ffn * (g + 1) * (3 if ctx.training else 1)
+    out = shape["tokens"] * width * b
+    gemm_io = rows * (2 * width + (2 * g + 1) * ffn) * b * (3 if ctx.training else 1)
+    spelling = rows * (4 * width + (g + 1) * ffn) * b + out  # gather copy, activation pass, scale + un-permute
+    slots = 2 * rows * width * 4 + out  # fp32 slots written, read back for the sum
+    if ctx.training:
+        spelling += rows * (6 * width + (2 * g + 1) * ffn) * b + rows * width * 4
+        slots += 2 * rows * width * 4 + out + rows * (g + 1) * ffn * b  # d slots; the saved activations read
+    passes_bw = p.bandwidth * p.default_efficiency
+    if not p.moe:
+        base = flops / (p.matmul_flops * p.gemm[1]) + (gemm_io + spelling) / passes_bw
+        return Estimate(base, base, gemm_io + spelling, gemm_io + spelling, ctx.baseline,
+                        f"grouped GEMMs not measured on {p.name}: assumed equal to {ctx.baseline}")
+    triton_eff, gmm_eff = p.moe
+    launches = 12 if ctx.training else 4
+    base = flops / (p.matmul_flops * gmm_eff) + (gemm_io + spelling) / passes_bw + 2 * launches * p.launch_s
+    if impl == "triton":
+        ours_bytes, eff = gemm_io + slots, triton_eff
+    else:
+        ours_bytes, eff = gemm_io + spelling - rows * width * b, gmm_eff  # one copy fewer (no separate scale)
+    ours = flops / (p.matmul_flops * eff) + ours_bytes / passes_bw + launches * p.launch_s
+    return Estimate(ours, base, ours_bytes, gemm_io + spelling, ctx.baseline,
+                    f"{flops / 1e9:.1f} GFLOP; grouped GEMMs at {eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
+                    f"(the spelling's grouped_mm {gmm_eff:.0%}, {p.name} profile)")
 
 
 def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, baseline_bytes: int,

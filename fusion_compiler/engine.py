@@ -212,18 +212,22 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
 
 def known_names() -> list:
     """Every pattern and every name of the families with their own passes (gemm, optimizer)."""
-    from fusion_compiler.patterns import gemm, gemm_horizontal, optimizer
-    return registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS) + [gemm_horizontal.DESCRIPTOR]
+    from fusion_compiler.patterns import gemm, gemm_horizontal, moe, optimizer
+    return (registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS)
+            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS))
 
 
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
-    from fusion_compiler.patterns import gemm, gemm_horizontal
+    from fusion_compiler.patterns import gemm, gemm_horizontal, moe
     patterns = registered_patterns()
     config.check_names(known_names())
     needs_grad = _needs_grad(gm, grad_inputs)
-    applied = 0
+    # first: routed experts (their activation and products would otherwise be taken one by one)
+    applied = moe.rewrite(gm, config, log, graph_id, needs_grad)
+    if applied:
+        needs_grad = _needs_grad(gm, grad_inputs)
     for pattern in patterns:
         if not config.enables(pattern):
             continue

@@ -1,0 +1,506 @@
+"""MoE family: routed experts become one fusion::moe_experts call (grouped GEMMs over expert-sorted rows).
+
+    before (HF transformers 5.x, experts_implementation="grouped_mm", the default):
+        perm = sort(index.view(-1)).indices;  rows = x[perm // k];  offs = cumsum(histc(sorted ids))
+        a = grouped_mm(rows, w_gate_up^T, offs);  h = act(a[:, :F]) * a[:, F:]
+        y = grouped_mm(h, w_down^T, offs) * weight.view(-1)[perm, None]
+        out = y[inverse(perm)].view(T, k, D).sum(1).to(x.dtype)
+      (bf16: aten._grouped_mm; other dtypes: HF's transformers::grouped_mm_fallback op)
+    before (experts_implementation="batched_mm"):
+        rows = x.repeat_interleave(k);  a = bmm(w_gate_up[index.view(-1)], rows[..., None]) ...
+        out = (y * weight.view(-1, 1)).view(T, k, D).sum(1)
+    after:
+        out = fusion.moe_experts(x, index, weight, [w_gate_up, w_down], layout, act, impl)[0]
+
+The router (linear, softmax or sigmoid, top-k, renormalisation) stays in the graph, where Inductor
+fuses it; its top-k indices and weights are the op's inputs, so aux losses on the router logits are
+untouched. Gated (SwiGLU / GeGLU) and ungated experts; weights stored [E, 2F, D] or transposed.
+`impl` is chosen per shape by cost.estimate_moe between the generated Triton kernels (rows gathered
+in the kernel, no permuted copies; the routing weight and the scatter in the down projection's
+epilogue) and torch's grouped_mm; the row records the choice and both estimates.
+
+A graph that returns a one-hot expert mask of [T, k] expert ids is the per-expert loop (HF's
+experts_implementation="eager", transformers 4.x) broken at `.nonzero()`: it gets a near-miss row and
+a warning naming the setting that keeps the MoE in one graph.
+"""
+import dataclasses
+import operator
+import types
+import warnings
+
+import torch
+import torch.fx as fx
+
+from fusion_compiler import cost
+from fusion_compiler.canonical import is_float_cast, val
+from fusion_compiler.codegen.launch import can_launch
+from fusion_compiler.decisions import Decision, describe, location
+from fusion_compiler.ops import moe as moe_op
+from fusion_compiler.patterns.checks import float_dtype, one_device
+
+FAMILY = "moe"
+DESCRIPTOR = types.SimpleNamespace(name="moe_experts", family=FAMILY)
+LOOP_DESCRIPTOR = types.SimpleNamespace(name="moe_loop_graph_break", family=FAMILY)
+DESCRIPTORS = (DESCRIPTOR, LOOP_DESCRIPTOR)
+KERNEL = "fusion::moe_experts"
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+LOOP_ADVICE = ("the per-expert loop breaks the graph at .nonzero(); build the HF model with "
+               "experts_implementation='grouped_mm' (the transformers 5.x default) so the MoE stays in one graph")
+
+
+@dataclasses.dataclass
+class Experts:
+    x: fx.Node  # [T, D]
+    index: fx.Node  # [T, k] expert ids
+    weight: fx.Node  # [T, k] routing weights
+    weights: list  # stored expert weights, as `layout` says
+    layout: str
+    act: str
+    out: fx.Node  # the node the op's output replaces
+    views: list  # shapes of the views between the experts' sum and `out`
+    spelling: str
+
+
+def _call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _grouped(node) -> bool:
+    """aten._grouped_mm, or HF's custom-op fallback for dtypes grouped_mm does not take."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is aten._grouped_mm.default:
+        return len(node.args) < 4 or all(a is None for a in node.args[3:])  # no bias, default out dtype
+    name = getattr(node.target, "name", None)
+    return callable(name) and name() == "transformers::grouped_mm_fallback"
+
+
+def _through(node, targets):
+    """Skip one node of `targets` (a view, a same-dtype cast) when present."""
+    return node.args[0] if _call(node, *targets) else node
+
+
+def _activation(node) -> tuple[str, fx.Node] | None:
+    """(act, its input) of silu / gelu / gelu(tanh) at node."""
+    if _call(node, aten.silu.default):
+        return "silu", node.args[0]
+    if _call(node, aten.gelu.default):
+        return ("gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"), node.args[0]
+    return None
+
+
+def _halves(a, b):
+    """(first, both's source) when a, b are getitem 0 and 1 of one split/chunk of the last dim in two."""
+    if not (_call(a, operator.getitem) and _call(b, operator.getitem) and a.args[0] is b.args[0]):
+        return None
+    split = a.args[0]
+    if not _call(split, aten.split.Tensor) or (a.args[1], b.args[1]) != (0, 1):
+        return None
+    source = split.args[0]
+    if split.args[2] not in (-1, val(source).dim() - 1) or val(source).shape[-1] != 2 * split.args[1]:
+        return None
+    return source
+
+
+def _expert_mlp(h) -> tuple[fx.Node, str, bool] | None:
+    """(the up projection node, act, gated) of h = act(gate) * up or act(up), with gate/up the halves
+    of the up projection's output."""
+    if _call(h, aten.mul.Tensor):
+        for a, b in (h.args[:2], h.args[1::-1]):
+            found = _activation(a)
+            if found is not None:
+                source = _halves(found[1], b)
+                if source is not None:
+                    return source, found[0], True
+        return None
+    found = _activation(h)
+    return (found[1], found[0], False) if found else None
+
+
+def _stored(b) -> tuple[fx.Node, bool] | None:
+    """(the stored weight, transposed) of a grouped-mm right operand: w.transpose(-2, -1) reads a
+    weight stored [E, N, K]; a 3-D weight used as is is stored [E, K, N] (transposed)."""
+    if _call(b, aten.transpose.int) and sorted(b.args[1:]) == [-2, -1] and val(b).dim() == 3:
+        return b.args[0], False
+    return (b, True) if isinstance(b, fx.Node) and val(b) is not None and val(b).dim() == 3 else None
+
+
+def _flat(node) -> fx.Node | None:
+    """The [T, k] tensor that node views as [-1]."""
+    if _call(node, *_VIEWS) and val(node).dim() == 1 and val(node.args[0]).dim() == 2:
+        return node.args[0]
+    return None
+
+
+def _sorted_dispatch(rows, offs) -> tuple | None:
+    """(x, index [T, k], perm, k) for rows = x[perm // k] with perm sorting index.view(-1) and offs
+    its cumulative per-expert counts."""
+    rows = _through(rows, (aten._to_copy.default,))
+    if not (_call(rows, aten.index.Tensor) and len(rows.args[1]) == 1):
+        return None
+    x, (token,) = rows.args[0], rows.args[1]
+    if not (_call(token, aten.floor_divide.default, aten.div.Tensor_mode) and isinstance(token.args[1], int)):
+        return None
+    perm, k = token.args[0], token.args[1]
+    if not (_call(perm, operator.getitem) and perm.args[1] == 1 and _call(perm.args[0], aten.sort.default,
+                                                                           aten.sort.stable)):
+        return None
+    sort = perm.args[0]
+    index = _flat(sort.args[0])
+    if index is None or val(index).shape[1] != k or val(x).dim() != 2:
+        return None
+    # offs = cumsum(histc(sorted ids, bins=E, min=0, max=E-1)) or cumsum(bincount(sorted ids))
+    if not _call(offs, aten.cumsum.default):
+        return None
+    counts = offs.args[0]
+    source = _through(counts.args[0], (aten._to_copy.default,)) if _call(
+        counts, aten.histc.default, aten.bincount.default) else None
+    if not (_call(source, operator.getitem) and source.args[0] is sort and source.args[1] == 0):
+        return None
+    return x, index, perm, k
+
+
+def _sorted_combine(y, perm, k) -> tuple[fx.Node, fx.Node] | None:
+    """(weight [T, k], the [T, D] sum) for sum_j of (y * weight.view(-1)[perm, None])[inverse perm]
+    viewed [T, k, D]."""
+    users = list(y.users)
+    if len(users) != 1 or not _call(users[0], aten.mul.Tensor):
+        return None
+    mul = users[0]
+    scale = mul.args[1] if mul.args[0] is y else mul.args[0]
+    scale = scale.args[0] if _call(scale, aten.unsqueeze.default) and scale.args[1] in (-1, 1) else None
+    if not (_call(scale, aten.index.Tensor) and scale.args[1] == [perm]):
+        return None
+    weight = _flat(scale.args[0])
+    back = _single_user(mul)
+    if weight is None or not (_call(back, aten.index.Tensor) and len(back.args[1]) == 1):
+        return None
+    inverse = back.args[1][0]  # inverse[perm] = arange(S)
+    if not (_call(inverse, aten.index_put.default) and inverse.args[1] == [perm]
+            and _call(inverse.args[2], aten.arange.default, aten.arange.start)):
+        return None
+    return weight, _slot_sum(_single_user(back), k)
+
+
+def _single_user(node):
+    users = list(node.users) if isinstance(node, fx.Node) else []
+    return users[0] if len(users) == 1 else None
+
+
+def _slot_sum(view, k) -> fx.Node | None:
+    """The sum over k of view = rows viewed [T, k, D]."""
+    if not (_call(view, *_VIEWS) and val(view).dim() == 3 and val(view).shape[1] == k):
+        return None
+    total = _single_user(view)
+    if _call(total, aten.sum.dim_IntList) and list(total.args[1]) in ([1], [-2]) and not (
+            total.args[2:] and total.args[2]) and total.kwargs.get("dtype") is None:
+        return total
+    return None
+
+
+def _ending(total: fx.Node, x: fx.Node) -> tuple[fx.Node, list] | str:
+    """(the node to replace, the view shapes on the way) after the experts' sum: views, then a cast to
+    x's dtype when the sum ran in a wider one."""
+    node, shapes = total, []
+    while True:
+        nxt = _single_user(node)
+        if _call(nxt, *_VIEWS):
+            node = nxt
+            shapes.append(list(val(node).shape))
+        elif is_float_cast(nxt) and val(nxt).dtype == val(x).dtype and val(node).dtype != val(x).dtype:
+            node = nxt
+        else:
+            break
+    if val(node).dtype != val(x).dtype:
+        return (f"the experts' sum is returned in {val(node).dtype} while x is {val(x).dtype}: the op returns "
+                "x's dtype")
+    return node, shapes
+
+
+def _grouped_spelling(down: fx.Node) -> Experts | str | None:
+    h, b_down, offs = down.args[:3]
+    mlp = _expert_mlp(_through(h, (aten._to_copy.default,)))
+    if mlp is None:
+        return None
+    up, act, gated = mlp
+    if not (_grouped(up) and up.args[2] is offs):
+        return None
+    stored_up, stored_down = _stored(up.args[1]), _stored(b_down)
+    dispatch = _sorted_dispatch(up.args[0], offs)
+    if stored_up is None or stored_down is None or dispatch is None:
+        return None
+    x, index, perm, k = dispatch
+    combine = _sorted_combine(down, perm, k)
+    if combine is None or combine[1] is None:
+        return None
+    weight, total = combine
+    if stored_up[1] != stored_down[1]:
+        return "gate/up and down weights are stored in different orientations"
+    return _experts(x, index, weight, [stored_up[0], stored_down[0]], gated, stored_up[1], act, total, "grouped_mm")
+
+
+def _experts(x, index, weight, weights, gated, transposed, act, total, spelling) -> Experts | str:
+    ending = _ending(total, x)
+    if isinstance(ending, str):
+        return ending
+    layout = ("gate_up" if gated else "up") + ("_t" if transposed else "")
+    return Experts(x, index, weight, weights, layout, act, ending[0], ending[1], spelling)
+
+
+# --- batched_mm spelling -------------------------------------------------------------------------------
+def _gathered_weight(node, ids) -> fx.Node | None:
+    """w for node = w[ids] (each slot's expert weight)."""
+    if _call(node, aten.index.Tensor) and node.args[1] == [ids] and val(node.args[0]).dim() == 3:
+        return node.args[0]
+    return None
+
+
+def _repeated_rows(node, k) -> fx.Node | None:
+    """x [T, D] for node = x.repeat_interleave(k, 0) (as make_fx decomposes it: unsqueeze, expand,
+    clone, view)."""
+    if not _call(node, *_VIEWS):
+        return None
+    src = _through(node.args[0], (aten.clone.default,))
+    if not (_call(src, aten.expand.default) and val(src).dim() == 3 and val(src).shape[1] == k):
+        return None
+    base = src.args[0]
+    if _call(base, aten.unsqueeze.default) and base.args[1] in (1, -2) and val(base.args[0]).dim() == 2:
+        return base.args[0]
+    return None
+
+
+def _batched_product(node) -> tuple[fx.Node, fx.Node] | None:
+    """(w[ids] node, vector rows) of squeeze(matmul/bmm(w[ids], rows.unsqueeze(-1)), -1)."""
+    if not (_call(node, aten.squeeze.dim) and node.args[1] in (-1, 2)):
+        return None
+    mm = node.args[0]
+    if not _call(mm, aten.matmul.default, aten.bmm.default):
+        return None
+    vec = mm.args[1]
+    if not (_call(vec, aten.unsqueeze.default) and vec.args[1] in (-1, 2)):
+        return None
+    return mm.args[0], vec.args[0]
+
+
+def _batched_spelling(squeeze: fx.Node) -> Experts | str | None:
+    down = _batched_product(squeeze)
+    if down is None or not _call(down[0], aten.index.Tensor):
+        return None
+    ids = down[0].args[1][0]
+    w_down = _gathered_weight(down[0], ids)
+    mlp = _expert_mlp(down[1])
+    index = _flat(ids)
+    if w_down is None or mlp is None or index is None:
+        return None
+    up_node, act, gated = mlp
+    up = _batched_product(up_node)
+    if up is None:
+        return None
+    w_up = _gathered_weight(up[0], ids)
+    k = val(index).shape[1]
+    x = _repeated_rows(up[1], k)
+    mul = _single_user(squeeze)
+    if w_up is None or x is None or not _call(mul, aten.mul.Tensor):
+        return None
+    scale = mul.args[1] if mul.args[0] is squeeze else mul.args[0]
+    scale = scale.args[0] if _call(scale, aten.unsqueeze.default) and scale.args[1] in (-1, 1) else None
+    weight = _flat(scale) if scale is not None else None
+    total = _slot_sum(_single_user(mul), k)
+    if weight is None or total is None:
+        return None
+    return _experts(x, index, weight, [w_up, w_down], gated, False, act, total, "batched_mm")
+
+
+# --- the pass -------------------------------------------------------------------------------------------
+def find(node: fx.Node) -> Experts | str | None:
+    """The experts region whose down projection is `node`, a reason it cannot be taken, or None."""
+    if _grouped(node):
+        return _grouped_spelling(node)
+    if _call(node, aten.squeeze.dim):
+        return _batched_spelling(node)
+    return None
+
+
+def _region(ex: Experts) -> set:
+    """The nodes computing ex.out from its inputs (they die when ex.out is replaced)."""
+    stop = {ex.x, ex.index, ex.weight, *ex.weights}
+    region, todo = set(), [ex.out]
+    while todo:
+        node = todo.pop()
+        if node in region or node in stop or node.op != "call_function":
+            continue
+        region.add(node)
+        todo.extend(n for n in node.all_input_nodes)
+    return region
+
+
+def _escape(ex: Experts, region: set) -> str | None:
+    for node in region:
+        if node is ex.out:
+            continue
+        for user in node.users:
+            if user not in region:
+                where = location(user)
+                return f"intermediate {node.name} is also used by {user.name}" + (f" ({where})" if where else "")
+    return None
+
+
+def _legal(ex: Experts, region: set) -> str | None:
+    x, index, weight = val(ex.x), val(ex.index), val(ex.weight)
+    weights = [val(w) for w in ex.weights]
+    why = one_device([x, index, weight, *weights]) or float_dtype(x) or float_dtype(weight)
+    if why:
+        return why
+    if any(w.dtype != x.dtype for w in weights):
+        return f"expert weights {[str(w.dtype) for w in weights]} differ from x's {x.dtype}"
+    if any(isinstance(s, torch.SymInt) for t in (x, index, *weights) for s in t.shape):
+        return "symbolic (dynamic) sizes: the region keeps its graph"
+    if x.numel() == 0:
+        return "no tokens"
+    try:
+        moe_op.check(x, index, weight, weights, ex.layout, ex.act)
+    except ValueError as e:
+        return str(e)
+    if can_launch(x.device) and _gmm_support(ex) is not None:
+        return f"{can_launch(x.device)}; grouped_mm: {_gmm_support(ex)}"
+    return None
+
+
+def _gmm_support(ex: Experts) -> str | None:
+    from fusion_compiler.codegen import moe_grouped_mm
+    x, (first, down) = val(ex.x), [val(w) for w in ex.weights]
+    if ex.layout.endswith("_t"):
+        first, down = first.transpose(1, 2), down.transpose(1, 2)
+    return moe_grouped_mm.supports(x, first, down)
+
+
+def _shape(ex: Experts) -> dict:
+    x, index = val(ex.x), val(ex.index)
+    w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
+    return dict(tokens=x.shape[0], top_k=index.shape[1], width=x.shape[1], ffn=w_gate.shape[1],
+                experts=w_gate.shape[0], gated=w_up is not None, dtype=x.dtype)
+
+
+def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
+    """Replace every routed-experts region that is legal and pays; one decision row each."""
+    applied = 0
+    if config.enables(LOOP_DESCRIPTOR):
+        _loop_breaks(gm, log, gid)
+    if not config.enables(DESCRIPTOR):
+        return 0
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph:
+            continue  # erased by an earlier rewrite
+        ex = find(node)
+        if ex is None:
+            continue
+        if isinstance(ex, str):
+            log.add(Decision(gid, DESCRIPTOR.name, FAMILY, "near-miss", ex, location(node), (), kernel=KERNEL))
+            continue
+        row, done = _decide(gm, ex, config, gid, needs_grad)
+        log.add(row)
+        applied += done
+    if applied:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return applied
+
+
+def _row(gid, ex: Experts, verdict: str, reason: str, estimate=None) -> Decision:
+    inputs = [val(ex.x), val(ex.index), val(ex.weight), *[val(w) for w in ex.weights]]
+    return Decision(gid, DESCRIPTOR.name, FAMILY, verdict, f"{ex.spelling} spelling, {ex.layout}, {ex.act}: {reason}",
+                    location(ex.out), tuple(describe(v) for v in inputs),
+                    bytes_saved=estimate.bytes_saved if estimate else None,
+                    time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel=KERNEL)
+
+
+def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
+    region = _region(ex)
+    why = _escape(ex, region)
+    if why:
+        return _row(gid, ex, "near-miss", why), 0
+    why = _legal(ex, region)
+    if why:
+        return _row(gid, ex, "rejected", why), 0
+    x = val(ex.x)
+    training = ex.out in needs_grad
+    ctx = cost.CostContext(cost.profile_for(x.device, config.device_profile), config.baseline, training,
+                           config.prefer_memory)
+    options = {}
+    if can_launch(x.device) is None:
+        options["triton"] = cost.estimate_moe(_shape(ex), "triton", ctx)
+    if moe_op.parse_layout(ex.layout)[0] in ("gate_up", "up") and _gmm_support(ex) is None:
+        options["grouped_mm"] = cost.estimate_moe(_shape(ex), "grouped_mm", ctx)
+    impl = config.moe_impl if config.moe_impl in options else min(options, key=lambda i: options[i].ours_s)
+    estimate = options[impl]
+    others = "; ".join(f"{name}: est. {e.ours_s * 1e6:.1f} us" for name, e in options.items() if name != impl)
+    choice = f"impl {impl}" + (f" (over {others})" if others else "")
+    if config.cost_model == "roofline" and not estimate.profitable:
+        return _row(gid, ex, "rejected", f"{choice}; {estimate.reason()}", estimate), 0
+    _replace(gm, ex, impl)
+    reason = estimate.reason() if config.cost_model == "roofline" else \
+        f"cost model off (cost_model='always'); {estimate.reason()}"
+    return _row(gid, ex, "applied", f"{choice}; {reason}", estimate), 1
+
+
+def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
+    graph = gm.graph
+    x = val(ex.x)
+    args = (ex.x, ex.index, ex.weight, list(ex.weights), ex.layout, ex.act, impl)
+    with graph.inserting_before(ex.out):
+        call = graph.call_function(torch.ops.fusion.moe_experts.default, args)
+        out = graph.call_function(operator.getitem, (call, 0))
+        nodes = [call, out]
+        for shape in ex.views:
+            out = graph.call_function(aten.view.default, (out, shape))
+            nodes.append(out)
+    w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
+    rows, ffn = val(ex.index).numel(), w_gate.shape[1]
+    index = val(ex.index)
+    call.meta["val"] = (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
+                        x.new_empty((rows, ffn)), index.new_empty((rows,), dtype=torch.int32),
+                        index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
+    current = call.meta["val"][0]
+    nodes[1].meta["val"] = current
+    for node, shape in zip(nodes[2:], ex.views):
+        current = current.view(shape)
+        node.meta["val"] = current
+    for node in nodes:
+        if "stack_trace" in ex.out.meta:
+            node.meta["stack_trace"] = ex.out.meta["stack_trace"]
+    ex.out.replace_all_uses_with(out)
+
+
+# --- the per-expert loop, broken --------------------------------------------------------------------------
+def _expert_ids(node) -> fx.Node | None:
+    """ids for node = one_hot(ids) or its decomposition eq(ids.unsqueeze(-1), arange(E)), where ids
+    [T, k] are top-k expert ids computed here or handed over by the previous graph."""
+    if _call(node, aten.one_hot.default):
+        ids = node.args[0]
+    elif _call(node, aten.eq.Tensor) and _call(node.args[0], aten.unsqueeze.default) and _call(
+            node.args[1], aten.arange.default, aten.arange.start):
+        ids = node.args[0].args[0]
+    else:
+        return None
+    from_topk = _call(ids, operator.getitem) and ids.args[1] == 1 and _call(ids.args[0], aten.topk.default)
+    return ids if (from_topk or ids.op == "placeholder") and val(ids).dim() == 2 else None
+
+
+def _loop_breaks(gm: fx.GraphModule, log, gid: int) -> None:
+    """An expert mask of top-k ids that leaves the graph (within a few casts, detaches and permutes):
+    the per-expert loop continues in the next graph, cut at .nonzero(). One near-miss row and a
+    warning per graph."""
+    for node in gm.graph.nodes:
+        ids = _expert_ids(node)
+        if ids is None:
+            continue
+        reach, frontier = set(), {node}
+        for _ in range(6):
+            frontier = {u for n in frontier for u in n.users} - reach
+            reach |= frontier
+        if any(n.op == "output" for n in reach):
+            log.add(Decision(gid, LOOP_DESCRIPTOR.name, FAMILY, "near-miss", LOOP_ADVICE, location(node),
+                             (describe(val(ids)),), kernel=KERNEL))
+            warnings.warn(f"fusion_compiler: MoE experts not fused: {LOOP_ADVICE}", stacklevel=2)
+            return
