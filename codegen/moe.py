@@ -44,6 +44,7 @@ class Routing:
     perm: torch.Tensor     # [S] int32: sorted row -> flat slot t*k + j
     token: torch.Tensor    # [S] int32: sorted row -> token
     weight: torch.Tensor   # [S] fp32: sorted row -> its routing weight
+    slot_weight: torch.Tensor  # [S] fp32: the routing weights in slot order (t*k + j)
     offsets: torch.Tensor  # [E + 1] int32: expert e's sorted rows are [offsets[e], offsets[e + 1])
     top_k: int
     tile_tables: dict = dataclasses.field(default_factory=dict, compare=False)  # by BLOCK_M (`tiles`)
@@ -56,9 +57,14 @@ def route(index: torch.Tensor, weight: torch.Tensor, experts: int) -> Routing:
     sorted_experts, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(experts + 1, device=flat.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, bounds).to(torch.int32)
-    top_k = index.shape[-1]
-    return Routing(perm.to(torch.int32), (perm // top_k).to(torch.int32),
-                   weight.reshape(-1).float()[perm], offsets, top_k)
+    return rebuild(perm.to(torch.int32), offsets, weight)
+
+
+def rebuild(perm: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> Routing:
+    """The Routing of a sort already made (the backward gets perm and offsets from the forward)."""
+    top_k = weight.shape[-1]
+    slot_weight = weight.reshape(-1).float()
+    return Routing(perm, perm // top_k, slot_weight[perm.long()], slot_weight, offsets, top_k)
 
 
 def tiles(routing: Routing, block_m: int) -> torch.Tensor:
@@ -132,7 +138,7 @@ def _up_fwd(TILES, X, TOKEN, WG, WU, A1, H,
             n_tiles, N, K, sx, sg_e, sg_n, sg_k, su_e, su_n, su_k, sa1, sh,
             GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    e, rows, row_mask, cols, _, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, row_mask, cols, pid_n, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
     if busy:
         col_mask = cols < N
         token = tl.load(TOKEN + rows, mask=row_mask, other=0)
@@ -159,7 +165,7 @@ def _up_fwd(TILES, X, TOKEN, WG, WU, A1, H,
             g_ptrs += BLOCK_K * sg_k
             u_ptrs += BLOCK_K * su_k
         mask = row_mask[:, None] & col_mask[None, :]
-        act, _ = _act_and_grad(acc_g, ACT)
+        act, dact = _act_and_grad(acc_g, ACT)
         tl.store(A1 + rows[:, None].to(tl.int64) * sa1 + cols[None, :], acc_g.to(A1.dtype.element_ty), mask=mask)
         if GATED:
             tl.store(A1 + rows[:, None].to(tl.int64) * sa1 + N + cols[None, :], acc_u.to(A1.dtype.element_ty),
@@ -173,7 +179,7 @@ def _down_fwd(TILES, H, WD, PERM, WEIGHT, SLOTS,
               n_tiles, N, K, sh, sd_e, sd_n, sd_k, ss,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    e, rows, row_mask, cols, _, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, row_mask, cols, pid_n, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
     if busy:
         col_mask = cols < N
         rk = tl.arange(0, BLOCK_K)
@@ -227,7 +233,7 @@ def _up_bwd(TILES, DA1, WG, WU, PERM, SLOTS,
             GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # here N = D and K = F; B[k, n] = w_gate[e, k, n]
-    e, rows, row_mask, cols, _, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, rows, row_mask, cols, pid_n, busy = _tile(TILES, n_tiles, N, BLOCK_M, BLOCK_N, GROUP_M)
     if busy:
         col_mask = cols < N
         rk = tl.arange(0, BLOCK_K)

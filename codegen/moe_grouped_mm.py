@@ -1,20 +1,25 @@
 """The same experts computation as codegen/moe.py on `torch._grouped_mm` (CUTLASS on Hopper), the other
-side of the shape-dependent choice: the permuted copies are made with gathers, the activation runs in
-codegen/glu.py, and the routing weight multiplies the rows before an fp32 slot sum.
+side of the shape-dependent choice: CUTLASS runs the GEMMs, the glue around them is one pass each:
+the token rows are gathered (a copy), the activation runs in codegen/glu.py, and `combine` reads each
+token's k rows through the inverse permutation and sums them, weighted, in fp32.
 
 Forward:  xs = x[token]; a1 = gmm(xs, w_gate_up); h = act(gate) * up; y = gmm(h, w_down);
-          out = sum over slots of weight * y
-Backward: g = gmm(dout[token], w_down^T); d weight = <g, h>; dh = weight * g; d a1 from the activation;
-          dx = slot sum of gmm(d a1, w_gate_up^T); dW = gmm(d a1^T, xs), gmm((weight * dout[token])^T, h)
+          out[t] = sum_j weight[t, j] * y[row(t, j)]                               (`combine`)
+Backward: dy = weight * dout[token] and d weight = <dout[token], y> in one pass (`_scatter_grad_kernel`);
+          dh = gmm(dy, w_down^T); d a1 from the activation; dx = `combine` of gmm(d a1, w_gate_up^T);
+          dW_gate_up = gmm(d a1^T, xs), dW_down = gmm(dy^T, h)
 `gmm` is grouped over the experts' row ranges (`Routing.offsets`); weight gradients group over K.
 Needs unit-stride, 16-byte aligned rows and weights whose gate and up halves are one [E, 2F, D]
 tensor (or no gate): `supports` says why not otherwise.
 """
 import torch
+import triton
+import triton.language as tl
 
-from fusion_compiler._compat import FakeTensor, grouped_mm
+from fusion_compiler._compat import grouped_mm
 
 from .glu import glu_bwd, glu_fwd
+from .launch import alloc, interpreting
 from .moe import Routing
 
 _ACT = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
@@ -41,44 +46,115 @@ def supports(x: torch.Tensor, w_gate_up: torch.Tensor | None, w_down: torch.Tens
         return f"grouped_mm on CUDA takes bfloat16, not {x.dtype}"
     if w_gate_up is None:
         return "gate and up weights are not one [E, 2F, D] tensor"
-    for t in (x, w_gate_up, w_down):  # (a compile-time check sees fake tensors: sizes only)
-        if (t.shape[-1] * t.element_size()) % 16 or (not isinstance(t, FakeTensor) and t.data_ptr() % 16):
-            return "rows are not 16-byte aligned"
+    for t in (x, w_gate_up, w_down):  # one of the last two dims unit-stride, the other strides 16-byte
+        unit = [d for d in (-1, -2) if t.stride(d) == 1]
+        if not unit or any((stride * t.element_size()) % 16 for d, stride in enumerate(t.stride())
+                           if d - t.dim() != unit[0]):
+            return "operands are not unit-stride along one of their last two dims with 16-byte aligned strides"
     return None
 
 
-def _valid(routing: Routing) -> torch.Tensor:
-    rows = routing.perm.numel()
-    return (torch.arange(rows, device=routing.perm.device) < routing.offsets[-1])[:, None]
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it when its storage does not start 16-byte aligned (grouped_mm needs it; the
+    choice of path is made on shapes alone, so a view's offset is fixed here)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _slot_sum(rows_out: torch.Tensor, routing: Routing, tokens: int, scale: torch.Tensor | None):
-    """sum over each token's k slots of (scale *) rows_out, in fp32; rows past the last expert are 0."""
-    vals = rows_out.float() * scale[:, None] if scale is not None else rows_out.float()
-    slots = torch.empty_like(vals)
-    slots[routing.perm.long()] = torch.where(_valid(routing), vals, 0.0)
-    return slots.view(tokens, routing.top_k, -1).sum(1)
+@triton.jit
+def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
+                    TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[t] = sum_j (W[t, j] *) Y[ROW[t * k + j]] in fp32; rows at or past END (no expert's) add 0."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_mask, d_mask = tokens < n_tokens, cols < D
+    end = tl.load(END)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
+        ok = t_mask & (row < end)
+        y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=ok[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = y * tl.load(W + tokens * TOP_K + j, mask=t_mask, other=0.0)[:, None]
+        acc += y
+    tl.store(OUT + tokens[:, None].to(tl.int64) * so + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=t_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _scatter_grad_kernel(DOUT, TOKEN, WEIGHT, Y, END, DY, DW, n_rows, D, sdo, sy, sdy,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per sorted row s (token t): DY[s] = weight[s] * DOUT[t] and DW[s] = <DOUT[t], Y[s]> (fp32);
+    both 0 for rows at or past END."""
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    ok = (rows < n_rows) & (rows < tl.load(END))
+    token = tl.load(TOKEN + rows, mask=ok, other=0)
+    weight = tl.load(WEIGHT + rows, mask=ok, other=0.0)
+    dot = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = ok[:, None] & (cols < D)[None, :]
+        g = tl.load(DOUT + token[:, None].to(tl.int64) * sdo + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + rows[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dot += tl.sum(g * y, 1)
+        tl.store(DY + rows[:, None].to(tl.int64) * sdy + cols[None, :], (g * weight[:, None]).to(DY.dtype.element_ty),
+                 mask=(rows < n_rows)[:, None] & (cols < D)[None, :])
+    tl.store(DW + rows, dot, mask=rows < n_rows)
+
+
+def _tile(n: int) -> tuple[int, int]:
+    block_d = min(triton.next_power_of_2(max(n, 1)), 256 if interpreting() else 1024)
+    return (16 if interpreting() else 4), block_d
+
+
+def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """[T, D] in dtype: each token's k slot rows of rows_out (sorted order) summed in fp32, times the
+    routing weight when `weighted`."""
+    width = rows_out.shape[1]
+    out = alloc((tokens, width), dtype, rows_out.device)
+    block_t, block_d = _tile(width)
+    if tokens and width:
+        flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
+        _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_d))](
+            rows_out, inverse, flat_weight, routing.offsets[-1:], out, tokens, width, rows_out.stride(0),
+            out.stride(0), TOP_K=routing.top_k, WEIGHTED=weighted, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def _inverse(routing: Routing) -> torch.Tensor:
+    """slot -> sorted row (perm's inverse)."""
+    inverse = torch.empty_like(routing.perm)
+    inverse[routing.perm.long()] = torch.arange(routing.perm.numel(), device=routing.perm.device, dtype=torch.int32)
+    return inverse
 
 
 def forward(x, routing: Routing, w_gate_up, w_down, act: str, gated: bool):
-    """(out, a1, h) as codegen.moe.forward; w_gate_up is [E, 2F, D] ([gate; up]) or [E, F, D] ungated."""
-    ends = routing.offsets[1:]
+    """(out, a1, h, y) as codegen.moe.forward plus y = the down projection's rows (the backward's
+    routing-weight gradient reads them); w_gate_up is [E, 2F, D] ([gate; up]) or [E, F, D] ungated."""
+    ends, w_gate_up, w_down = routing.offsets[1:], _aligned(w_gate_up), _aligned(w_down)
     a1 = grouped_mm(x[routing.token.long()], w_gate_up.transpose(1, 2), offs=ends)
     ffn = w_down.shape[-1]
     h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act) if gated else _ACT[act](a1)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    return _slot_sum(y, routing, x.shape[0], routing.weight).to(x.dtype), a1, h
+    return combine(y, routing, _inverse(routing), x.shape[0], True, x.dtype), a1, h, y
 
 
-def backward(dout, x, routing: Routing, w_gate_up, w_down, a1, h, act: str, gated: bool, needs: tuple):
+def backward(dout, x, routing: Routing, w_gate_up, w_down, a1, h, y, act: str, gated: bool, needs: tuple):
     """(dx, d routing weights [T, k] fp32, dw_gate_up, dw_down), None where `needs` (x, weights,
     w_gate_up, w_down) says no."""
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
-    token = routing.token.long()
-    dout_rows = dout.contiguous()[token]
-    g = grouped_mm(dout_rows, w_down, offs=ends)
-    valid = _valid(routing)
-    dh = torch.where(valid, g.float() * routing.weight[:, None], 0.0).to(x.dtype)
+    w_gate_up, w_down = _aligned(w_gate_up), _aligned(w_down)
+    rows, width = y.shape
+    dout = dout.contiguous()
+    dy = alloc((rows, width), x.dtype, x.device)
+    dw_rows = alloc((rows,), torch.float32, x.device)
+    block_s, block_d = _tile(width)
+    if rows and width:
+        _scatter_grad_kernel[(triton.cdiv(rows, block_s),)](
+            dout, routing.token, routing.weight, y, routing.offsets[-1:], dy, dw_rows, rows, width,
+            dout.stride(0), y.stride(0), dy.stride(0), BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+    dh = grouped_mm(dy, w_down, offs=ends)
     if gated:
         da1 = torch.empty_like(a1)
         glu_bwd(dh, a1[:, :ffn], a1[:, ffn:], act, da1[:, :ffn], da1[:, ffn:])
@@ -86,14 +162,13 @@ def backward(dout, x, routing: Routing, w_gate_up, w_down, a1, h, act: str, gate
         da1 = (dh.float() * _act_grad(act, a1)).to(x.dtype)
     dx = dweight = dw_gate_up = dw_down = None
     if needs[0]:
-        dx = _slot_sum(grouped_mm(da1, w_gate_up, offs=ends), routing, tokens, None).to(x.dtype)
+        dx = combine(grouped_mm(da1, w_gate_up, offs=ends), routing, _inverse(routing), tokens, False, x.dtype)
     if needs[1]:
-        flat = torch.zeros(routing.perm.numel(), dtype=torch.float32, device=x.device)
-        flat[routing.perm.long()] = torch.where(valid, g.float() * h.float(), 0.0).sum(1)
+        flat = torch.empty(rows, dtype=torch.float32, device=x.device)
+        flat[routing.perm.long()] = dw_rows
         dweight = flat.view(tokens, routing.top_k)
     if needs[2]:
-        dw_gate_up = grouped_mm(da1.t(), x[token], offs=ends)  # rows past the groups are not read
+        dw_gate_up = grouped_mm(da1.t(), x[routing.token.long()], offs=ends)  # rows past the groups: not read
     if needs[3]:
-        scaled = (dout_rows.float() * routing.weight[:, None]).to(x.dtype)
-        dw_down = grouped_mm(scaled.t(), h, offs=ends)
+        dw_down = grouped_mm(dy.t(), h, offs=ends)
     return dx, dweight, dw_gate_up, dw_down

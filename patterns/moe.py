@@ -81,6 +81,21 @@ def _through(node, targets):
     return node.args[0] if _call(node, *targets) else node
 
 
+def _unmask(node, experts: int, sorts: list):
+    """src for node = src.masked_fill((sorted ids >= experts)[:, None], 0) (HF's expert-parallel
+    sentinel rows, none with top-k ids of this rank; the op leaves such rows out too), else node.
+    The sort the ids come from is appended to `sorts` (it must be the dispatch's)."""
+    if not (_call(node, aten.masked_fill.Scalar) and node.args[2] == 0):
+        return node
+    mask = node.args[1]
+    ge = mask.args[0] if _call(mask, aten.unsqueeze.default) and mask.args[1] in (-1, 1) else None
+    if not (_call(ge, aten.ge.Scalar) and ge.args[1] == experts and _call(ge.args[0], operator.getitem)
+            and ge.args[0].args[1] == 0):
+        return node
+    sorts.append(ge.args[0].args[0])
+    return node.args[0]
+
+
 def _activation(node) -> tuple[str, fx.Node] | None:
     """(act, its input) of silu / gelu / gelu(tanh) at node."""
     if _call(node, aten.silu.default):
@@ -161,9 +176,12 @@ def _sorted_dispatch(rows, offs) -> tuple | None:
     return x, index, perm, k
 
 
-def _sorted_combine(y, perm, k) -> tuple[fx.Node, fx.Node] | None:
+def _sorted_combine(y, perm, k, experts: int, sorts: list) -> tuple[fx.Node, fx.Node] | None:
     """(weight [T, k], the [T, D] sum) for sum_j of (y * weight.view(-1)[perm, None])[inverse perm]
-    viewed [T, k, D]."""
+    viewed [T, k, D] (y's sentinel rows zeroed first or not)."""
+    masked = _single_user(y)
+    if masked is not None and _unmask(masked, experts, sorts) is y:
+        y = masked
     users = list(y.users)
     if len(users) != 1 or not _call(users[0], aten.mul.Tensor):
         return None
@@ -220,19 +238,22 @@ def _ending(total: fx.Node, x: fx.Node) -> tuple[fx.Node, list] | str:
 
 def _grouped_spelling(down: fx.Node) -> Experts | str | None:
     h, b_down, offs = down.args[:3]
+    stored_down = _stored(b_down)
     mlp = _expert_mlp(_through(h, (aten._to_copy.default,)))
-    if mlp is None:
+    if stored_down is None or mlp is None:
         return None
-    up, act, gated = mlp
+    experts, sorts = val(stored_down[0]).shape[0], []
+    source, act, gated = mlp
+    up = _unmask(source, experts, sorts)
     if not (_grouped(up) and up.args[2] is offs):
         return None
-    stored_up, stored_down = _stored(up.args[1]), _stored(b_down)
-    dispatch = _sorted_dispatch(up.args[0], offs)
-    if stored_up is None or stored_down is None or dispatch is None:
+    stored_up = _stored(up.args[1])
+    dispatch = _sorted_dispatch(_unmask(up.args[0], experts, sorts), offs)
+    if stored_up is None or dispatch is None:
         return None
     x, index, perm, k = dispatch
-    combine = _sorted_combine(down, perm, k)
-    if combine is None or combine[1] is None:
+    combine = _sorted_combine(down, perm, k, experts, sorts)
+    if combine is None or combine[1] is None or any(sort is not perm.args[0] for sort in sorts):
         return None
     weight, total = combine
     if stored_up[1] != stored_down[1]:
@@ -290,7 +311,10 @@ def _batched_spelling(squeeze: fx.Node) -> Experts | str | None:
     ids = down[0].args[1][0]
     w_down = _gathered_weight(down[0], ids)
     mlp = _expert_mlp(down[1])
-    index = _flat(ids)
+    flat = ids
+    if w_down is not None and _call(ids, aten.clamp.default) and list(ids.args[1:3]) == [0, val(w_down).shape[0] - 1]:
+        flat = ids.args[0]  # HF 5.17 clamps expert-parallel sentinels into range (their weight is 0)
+    index = _flat(flat)
     if w_down is None or mlp is None or index is None:
         return None
     up_node, act, gated = mlp
@@ -335,12 +359,21 @@ def _region(ex: Experts) -> set:
     return region
 
 
+def _dead_mutations(region: set) -> list:
+    """In-place ops on region values whose results nobody reads (HF 5.17's expert_ids.clamp_ after the
+    sort): they die with the region."""
+    return [user for node in region for user in node.users
+            if user not in region and not user.users and user.op == "call_function"
+            and getattr(getattr(user.target, "_schema", None), "is_mutable", False) and user.args[0] is node]
+
+
 def _escape(ex: Experts, region: set) -> str | None:
+    dead = set(_dead_mutations(region))
     for node in region:
         if node is ex.out:
             continue
         for user in node.users:
-            if user not in region:
+            if user not in region and user not in dead:
                 where = location(user)
                 return f"intermediate {node.name} is also used by {user.name}" + (f" ({where})" if where else "")
     return None
@@ -438,6 +471,8 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
     choice = f"impl {impl}" + (f" (over {others})" if others else "")
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, ex, "rejected", f"{choice}; {estimate.reason()}", estimate), 0
+    for node in _dead_mutations(region):
+        gm.graph.erase_node(node)
     _replace(gm, ex, impl)
     reason = estimate.reason() if config.cost_model == "roofline" else \
         f"cost model off (cost_model='always'); {estimate.reason()}"
@@ -458,8 +493,9 @@ def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
     w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
     rows, ffn = val(ex.index).numel(), w_gate.shape[1]
     index = val(ex.index)
+    y_shape = (rows, x.shape[1]) if impl == "grouped_mm" else (0,)
     call.meta["val"] = (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
-                        x.new_empty((rows, ffn)), index.new_empty((rows,), dtype=torch.int32),
+                        x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
                         index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
     current = call.meta["val"][0]
     nodes[1].meta["val"] = current

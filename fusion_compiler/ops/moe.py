@@ -1,9 +1,10 @@
 """The routed-experts op (kernels in codegen/moe.py and codegen/moe_grouped_mm.py).
 
-    fusion::moe_experts(x, index, weight, weights, layout, act, impl) -> (out, a1, h, perm, offsets)
+    fusion::moe_experts(x, index, weight, weights, layout, act, impl) -> (out, a1, h, y, perm, offsets)
         out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) for x [T, D], index / weight [T, k];
         an expert is down(act(gate(x)) * up(x)) (gated) or down(act(up(x))).
-        a1, h, perm, offsets are what the backward reads (pre-activations, activations, the sort).
+        a1, h, y, perm, offsets are what the backward reads (pre-activations, activations, the down
+        projection's rows on the grouped_mm path (empty on Triton's), the sort).
     fusion::moe_experts_backward(...) -> [dx, d weight, d weights...]
 
 `weights` and `layout` say how the expert weights are stored, read in place:
@@ -13,7 +14,8 @@
     up                   [w_up [E, F, D], w_down [E, D, F]]  (no gate)
 and each with `_t` appended for weights stored transposed ([E, D, 2F], ..., [E, F, D]).
 `impl` is "triton" (codegen/moe.py) or "grouped_mm"; where grouped_mm cannot run the operands
-(`moe_grouped_mm.supports`), Triton runs instead.
+(`moe_grouped_mm.supports`: dtype, layout, strides; decided on shapes, so the fake agrees), Triton
+runs instead.
 """
 import torch
 from torch import Tensor
@@ -78,40 +80,41 @@ def _impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> str:
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str,
-                impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
     gated = w_up is not None
     if _impl(impl, x, layout, weights) == "grouped_mm":
         first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
-        out, a1, h = moe_grouped_mm.forward(x, routing, first, w_down, act, gated)
+        out, a1, h, y = moe_grouped_mm.forward(x, routing, first, w_down, act, gated)
     else:
         out, a1, h = kernels.forward(x, routing, w_gate, w_up, w_down, act, gated)
-    return out, a1, h, routing.perm, routing.offsets
+        y = x.new_empty(0)
+    return out, a1, h, y, routing.perm, routing.offsets
 
 
 @moe_experts.register_fake
 def _(x, index, weight, weights, layout, act, impl):
     w_gate, w_up, w_down = views(layout, weights)
     rows, ffn = index.numel(), w_gate.shape[1]
+    y_shape = (rows, x.shape[1]) if _impl(impl, x, layout, weights) == "grouped_mm" else (0,)
     return (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
-            x.new_empty((rows, ffn)), index.new_empty((rows,), dtype=torch.int32),
+            x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
             index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
 
 
 @torch.library.custom_op("fusion::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, h: Tensor,
-                         perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
+                         y: Tensor, perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
                          needs: list[bool]) -> list[Tensor]:
     """[dx, d weight, d weights...] (empty where `needs` (x, weight, each of weights) says no)."""
     w_gate, w_up, w_down = views(layout, weights)
-    top_k = weight.shape[1]
-    routing = kernels.Routing(perm, perm // top_k, weight.reshape(-1).float()[perm.long()], offsets, top_k)
+    routing = kernels.rebuild(perm, offsets, weight)
     gated = w_up is not None
     if _impl(impl, x, layout, weights) == "grouped_mm":
         first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
-        dx, dweight, d_first, d_down = moe_grouped_mm.backward(dout, x, routing, first, w_down, a1, h, act, gated,
+        dx, dweight, d_first, d_down = moe_grouped_mm.backward(dout, x, routing, first, w_down, a1, h, y, act, gated,
                                                                 (needs[0], needs[1], needs[2], needs[3]))
         transposed = parse_layout(layout)[1]
         dws = [None if d is None else (d.transpose(1, 2) if transposed else d) for d in (d_first, d_down)]
@@ -133,7 +136,7 @@ def _wanted(layout: str, view_index: int, needs: list[bool]) -> bool:
 
 
 @moe_experts_backward.register_fake
-def _(dout, x, weight, weights, a1, h, perm, offsets, layout, act, impl, needs):
+def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs):
     shapes = [x.shape, weight.shape] + [w.shape for w in weights]
     dtypes = [x.dtype, weight.dtype] + [w.dtype for w in weights]
     return [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
@@ -141,16 +144,16 @@ def _(dout, x, weight, weights, a1, h, perm, offsets, layout, act, impl, needs):
 
 def _setup(ctx, inputs, output):
     x, index, weight, weights, layout, act, impl = inputs
-    out, a1, h, perm, offsets = output
+    out, a1, h, y, perm, offsets = output
     ctx.layout, ctx.act, ctx.impl = layout, act, impl
     ctx.weight_needs = [w.requires_grad for w in weights]
-    ctx.save_for_backward(x, weight, a1, h, perm, offsets, *weights)
+    ctx.save_for_backward(x, weight, a1, h, y, perm, offsets, *weights)
 
 
 def _grad(ctx, dout, *unused):
-    x, weight, a1, h, perm, offsets, *weights = ctx.saved_tensors
+    x, weight, a1, h, y, perm, offsets, *weights = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]] + ctx.weight_needs
-    grads = moe_experts_backward(dout, x, weight, weights, a1, h, perm, offsets, ctx.layout, ctx.act, ctx.impl,
+    grads = moe_experts_backward(dout, x, weight, weights, a1, h, y, perm, offsets, ctx.layout, ctx.act, ctx.impl,
                                  needs)
     dx, dweight, *dws = [g if need else None for g, need in zip(grads, needs)]
     return dx, None, dweight, dws, None, None, None

@@ -1,0 +1,172 @@
+"""MoE block, fwd+bwd: HF transformers' Mixtral sparse-MoE block (router + experts), bf16.
+
+    python benchmarks/bench_moe.py [--configs reference fine] [--sweep] [--loop]
+
+Configs (../shared/anchors/): reference = 8 experts, top-2, hidden 2048, ffn 4096, 8192 tokens;
+fine = 128 experts, top-8, hidden 2048, ffn 768, 16384 tokens.
+Rows: hf_loop (experts_implementation="eager", eager; --loop, reference only), hf_grouped_mm (HF's
+default, eager), inductor (torch.compile of the default), fusion (backend="fusion": the cost model
+decides), fusion_triton / fusion_grouped_mm (the rewrite forced, moe_impl fixed).
+GPU time is the profiler's kernel sum over a fwd+bwd; wall is do_bench's median of the same step;
+peak is the memory allocated during one step above what was allocated before it. Each compiled
+result is checked against eager first (output and input gradient, relative error).
+--sweep first times codegen/moe.py's tile configs on the reference shape (op alone) and keeps the
+fastest for the rest of the run.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+import fusion_compiler as fc
+from common import bench_ms, env, save, table, time_and_peak
+
+CONFIGS = {"reference": dict(experts=8, top_k=2, hidden=2048, ffn=4096, tokens=8192),
+           "fine": dict(experts=128, top_k=8, hidden=2048, ffn=768, tokens=16384)}
+
+
+def block(cfg: dict, impl: str):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    config = MixtralConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_local_experts=cfg["experts"],
+                           num_experts_per_tok=cfg["top_k"])
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    m = MixtralSparseMoeBlock(config).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, cfg["hidden"] ** -0.5)
+    return m
+
+
+def flops(cfg: dict) -> float:
+    rows = cfg["tokens"] * cfg["top_k"]
+    experts = 2.0 * rows * cfg["hidden"] * cfg["ffn"] * 3
+    router = 2.0 * cfg["tokens"] * cfg["hidden"] * cfg["experts"]
+    return 3 * (experts + router)
+
+
+def sweep(cfg: dict) -> dict:
+    """Time the op's kernels per tile config on this shape; set the module's configs to the fastest."""
+    from triton.testing import do_bench
+
+    from fusion_compiler.codegen import moe
+    t, d, f, e, k = cfg["tokens"], cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"]
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    w, idx = torch.randn(t, e, device="cuda").softmax(-1).topk(k, -1)
+    w13 = torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
+    wd = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) * f ** -0.5
+    wg, wu = w13[:, :f], w13[:, f:]
+    routing = moe.route(idx, w, e)
+    out, a1, h = moe.forward(x, routing, wg, wu, wd, "silu", True)
+    dout = torch.randn_like(out)
+    dw13, dwd = torch.empty_like(w13), torch.empty_like(wd)
+    found = {}
+    for name, options, fn in (
+        ("GATED_CONFIG", [(128, 64, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4)],
+         lambda: moe.forward(x, routing, wg, wu, wd, "silu", True)),
+        ("ROW_CONFIG", [(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 3, 8), (64, 128, 64, 8, 4, 4)],
+         lambda: moe.backward(dout, x, routing, wg, wu, wd, a1, h, "silu", True, True, True)),
+        ("WEIGHT_CONFIG", [(128, 128, 64, 3, 8), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 4)],
+         lambda: moe.backward(dout, x, routing, wg, wu, wd, a1, h, "silu", True, False, False,
+                              dw13[:, :f], dw13[:, f:], dwd)),
+    ):
+        times = {}
+        for option in options:
+            setattr(moe, name, option)
+            try:
+                times[str(option)] = do_bench(fn, warmup=5, rep=30)
+            except Exception as err:  # noqa: BLE001  (a config that does not compile is skipped)
+                times[str(option)] = f"{type(err).__name__}"
+        best = min((v, o) for o, v in times.items() if isinstance(v, float))[1]
+        setattr(moe, name, tuple(int(v) for v in best.strip("()").split(",")))
+        found[name] = {"times_ms": times, "chosen": best}
+        print(name, json.dumps(times), "->", best)
+    return found
+
+
+def kernels_ms(step, top: int = 10) -> list:
+    """[(kernel name, GPU ms per step)] of the `top` most expensive kernels of one step."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
+    return [(e.key[:90], round(e.self_device_time_total / 5 / 1e3, 3)) for e in events]
+
+
+def run(names, loop: bool, impls, breakdown: bool = False) -> list[dict]:
+    rows = []
+    for name in names:
+        cfg = CONFIGS[name]
+        ref_block = block(cfg, "grouped_mm")
+        x = torch.randn(1, cfg["tokens"], cfg["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn_like(x)
+        ref = ref_block(x)
+        ref_dx = torch.autograd.grad(ref, x, dout)[0]
+        variants = {"hf_grouped_mm": ("grouped_mm", None), "inductor": ("grouped_mm", "inductor")}
+        if loop and name == "reference":
+            variants["hf_loop"] = ("eager", None)
+        for impl in impls:
+            variants[f"fusion_{impl}" if impl != "auto" else "fusion"] = ("grouped_mm", impl)
+        for label, (experts_impl, how) in variants.items():
+            m = block(cfg, experts_impl)
+            be = None
+            if how == "inductor":
+                m = torch.compile(m, dynamic=False)
+            elif how is not None:
+                # forced rows: the MoE rewrite alone, whatever the cost model says
+                be = fc.backend(moe_impl=how) if how == "auto" else \
+                    fc.backend(moe_impl=how, cost_model="always", patterns={"moe_experts"})
+                m = torch.compile(m, backend=be, dynamic=False)
+            row = {"config": name, "impl": label}
+            try:
+                out = m(x)
+                dx = torch.autograd.grad(out, x, dout)[0]
+                row["out_err"] = f"{((out.float() - ref.float()).norm() / ref.float().norm()).item():.1e}"
+                row["dx_err"] = f"{((dx.float() - ref_dx.float()).norm() / ref_dx.float().norm()).item():.1e}"
+
+                def step():
+                    m.zero_grad(set_to_none=True)
+                    x.grad = None
+                    m(x).backward(dout)
+                ms, peak = time_and_peak(step)
+                row.update(gpu_ms=round(ms, 3), wall_ms=round(bench_ms(step, warmup=5, rep=30), 3),
+                           peak_gib=round(peak, 2), tflops=round(flops(cfg) / ms / 1e9, 1))
+                if breakdown and label != "hf_loop":
+                    row["kernels"] = kernels_ms(step)
+            except Exception as err:  # noqa: BLE001  (a row that fails says why; the others still run)
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            if be is not None:
+                row["decisions"] = [f"{d.verdict} {d.pattern}: {d.reason}" for d in be.log.decisions
+                                    if d.family == "moe"]
+            rows.append(row)
+            print(json.dumps(row))
+            del m
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--impls", nargs="+", default=["auto", "triton", "grouped_mm"])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--loop", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="the 10 most expensive kernels of each row")
+    args = ap.parse_args()
+    payload = {"env": env(), "configs": {n: CONFIGS[n] for n in args.configs}}
+    if args.sweep:
+        payload["sweep"] = sweep(CONFIGS["reference"])
+    payload["rows"] = run(args.configs, args.loop, args.impls, args.breakdown)
+    save(os.environ.get("BENCH_NAME", "moe.json"), payload)
+    print(table(payload["rows"], ["config", "impl", "gpu_ms", "wall_ms", "peak_gib", "tflops", "out_err", "dx_err",
+                                  "error"]))
+
+
+if __name__ == "__main__":
+    main()
