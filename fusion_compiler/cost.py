@@ -46,8 +46,9 @@ class DeviceProfile:
     gemm_handoff: float = 1.0
     sms: int = 132  # streaming multiprocessors (H100 SXM, H200): the GEMM tile waves
     horizontal_measured: bool = False  # has horizontal GEMM fusion been timed on this card
-    # fraction of matmul_flops the routed experts' grouped GEMMs reach: (our Triton kernels,
-    # torch's grouped_mm); () until measured on the card (then a rewrite is never estimated faster)
+    # routed experts: (fraction of matmul_flops our Triton grouped GEMMs reach, the same for torch's
+    # grouped_mm, the spelling's passes under Inductor over their byte estimate at the copy rate);
+    # () until measured on the card (then a rewrite is never estimated faster)
     moe: tuple = ()
 
 
@@ -99,15 +100,21 @@ _MULTI_TENSOR_H200 = (0.96, 0.98, 0.92)
 _GEMM_H200 = (0.80, 0.98)
 _GEMM_BACKWARD_H200 = 1.2
 _GEMM_HANDOFF_H200 = 0.88
+# routed experts, bf16 fwd+bwd (benchmarks/runs/2026-12-03-h200-moe-4.json): the HF Mixtral block at
+# 8 experts / top-2 / 2048 / 4096 / 8192 tokens and 128 / top-8 / 2048 / 768 / 16384: our Triton grouped
+# GEMMs 383 and 360 TFLOP/s, torch's grouped_mm (CUTLASS) 700 and 608 of 790; Inductor's passes around
+# them 1.04 and 4.1 ms, ~1.7x their byte estimate at the copy rate (ours 0.61 and 2.1 ms, ~1.0x)
+_MOE_H200 = (0.47, 0.83, 1.7)
 PROFILES = {
-    # the H100's attention and multi-tensor figures: assumed the H200's (one GH100 chip; only the H200
-    # was measured)
+    # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
+    # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
-                          gemm_handoff=_GEMM_HANDOFF_H200),
+                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
-                          gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200),
+                          gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200,
+                          moe=_MOE_H200),
 }
 REFERENCE = "h200"
 
@@ -385,20 +392,23 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         slots += 2 * rows * width * 4 + out + rows * (g + 1) * ffn * b  # d slots; the saved activations read
     passes_bw = p.bandwidth * p.default_efficiency
     if not p.moe:
-        base = flops / (p.matmul_flops * p.gemm[1]) + (gemm_io + spelling) / passes_bw
+        base = flops / (p.matmul_flops * p.gemm[1]) + spelling / passes_bw
         return Estimate(base, base, gemm_io + spelling, gemm_io + spelling, ctx.baseline,
                         f"grouped GEMMs not measured on {p.name}: assumed equal to {ctx.baseline}")
-    triton_eff, gmm_eff = p.moe
-    launches = 12 if ctx.training else 4
-    base = flops / (p.matmul_flops * gmm_eff) + (gemm_io + spelling) / passes_bw + 2 * launches * p.launch_s
+    triton_eff, gmm_eff, spelling_factor = p.moe
+    if ctx.baseline == "eager":
+        spelling_factor *= 2  # one kernel per op, not Inductor's fused passes
+    gmm_s = flops / (p.matmul_flops * gmm_eff)
+    base = gmm_s + spelling * spelling_factor / passes_bw
     if impl == "triton":
-        ours_bytes, eff = gemm_io + slots, triton_eff
-    else:
-        ours_bytes, eff = gemm_io + spelling - rows * width * b, gmm_eff  # one copy fewer (no separate scale)
-    ours = flops / (p.matmul_flops * eff) + ours_bytes / passes_bw + launches * p.launch_s
+        ours_bytes, ours = gemm_io + slots, flops / (p.matmul_flops * triton_eff) + slots / passes_bw
+        eff = triton_eff
+    else:  # the spelling's passes less the separate scale, each one kernel of ours
+        passes = spelling - rows * width * b
+        ours_bytes, ours, eff = gemm_io + passes, gmm_s + passes / passes_bw, gmm_eff
     return Estimate(ours, base, ours_bytes, gemm_io + spelling, ctx.baseline,
                     f"{flops / 1e9:.1f} GFLOP; grouped GEMMs at {eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
-                    f"(the spelling's grouped_mm {gmm_eff:.0%}, {p.name} profile)")
+                    f"(torch's grouped_mm {gmm_eff:.0%}; the spelling's passes x{spelling_factor:.1f}, {p.name} profile)")
 
 
 def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, baseline_bytes: int,
