@@ -45,7 +45,9 @@ class DeviceProfile:
     # fuses a bias and relu/gelu into cuBLASLt's epilogue, and its pass can beat the copy figure)
     gemm_handoff: float = 1.0
     sms: int = 132  # streaming multiprocessors (H100 SXM, H200): the GEMM tile waves
-    horizontal_measured: bool = False  # has horizontal GEMM fusion been timed on this card
+    # horizontal GEMM fusion timed on the Llama reference layer: (fwd, fwd+bwd) time with q/k/v and
+    # gate/up concatenated over the separate GEMMs'; () when not timed on this card
+    horizontal: tuple = ()
     # routed experts: (fraction of matmul_flops our Triton grouped GEMMs reach, the same for torch's
     # grouped_mm, the spelling's passes under Inductor over their byte estimate at the copy rate);
     # () until measured on the card (then a rewrite is never estimated faster)
@@ -105,16 +107,19 @@ _GEMM_HANDOFF_H200 = 0.88
 # GEMMs 383 and 360 TFLOP/s, torch's grouped_mm (CUTLASS) 700 and 608 of 790; Inductor's passes around
 # them 1.04 and 4.1 ms, ~1.7x their byte estimate at the copy rate (ours 0.61 and 2.1 ms, ~1.0x)
 _MOE_H200 = (0.47, 0.83, 1.7)
+# benchmarks/runs/2026-12-03-h200-horizontal-1.json: one LlamaDecoderLayer (2048, 32/8 heads, ffn 8192,
+# 2 x 2048 tokens, bf16): Inductor 0.827 / 2.817 ms, concatenated 0.870 / 2.857 ms: slower
+_HORIZONTAL_H200 = (1.052, 1.014)
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
-                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200),
+                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
                           gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200,
-                          moe=_MOE_H200),
+                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200),
 }
 REFERENCE = "h200"
 

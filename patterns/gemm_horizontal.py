@@ -118,10 +118,15 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         if config.cost_model == "roofline" and not estimate.profitable:
             log.add(_row(gid, group, "rejected", estimate.reason(), estimate))
             continue
-        # until timed on the card, the estimate alone does not move a model's GEMMs ("do no harm")
-        if config.cost_model == "roofline" and not ctx.profile.horizontal_measured:
-            log.add(_row(gid, group, "rejected", f"keep inductor's separate GEMMs: not yet timed on "
-                         f"{ctx.profile.name} (cost_model='always' applies it); {estimate.reason()}", estimate))
+        # the estimate alone does not move a model's GEMMs ("do no harm"): only a card where the rewrite
+        # was timed faster on a real layer
+        timed = ctx.profile.horizontal
+        if config.cost_model == "roofline" and (not timed or timed[training] >= 1.0 - cost.MARGIN):
+            found = (f"timed on {ctx.profile.name}: the Llama reference layer ran x{timed[training]:.3f} "
+                     f"({'fwd+bwd' if training else 'fwd'}) with its linears concatenated" if timed else
+                     f"not yet timed on {ctx.profile.name}")
+            log.add(_row(gid, group, "rejected", f"keep inductor's separate GEMMs: {found} (cost_model='always' "
+                         f"applies it); {estimate.reason()}", estimate))
             continue
         why = _concatenate(gm, group)
         if why:

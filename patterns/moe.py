@@ -395,17 +395,13 @@ def _legal(ex: Experts, region: set) -> str | None:
         moe_op.check(x, index, weight, weights, ex.layout, ex.act)
     except ValueError as e:
         return str(e)
-    if can_launch(x.device) and _gmm_support(ex) is not None:
-        return f"{can_launch(x.device)}; grouped_mm: {_gmm_support(ex)}"
+    if can_launch(x.device) and not _grouped_mm_runs(ex):
+        return f"{can_launch(x.device)}; and grouped_mm cannot run these operands"
     return None
 
 
-def _gmm_support(ex: Experts) -> str | None:
-    from fusion_compiler.codegen import moe_grouped_mm
-    x, (first, down) = val(ex.x), [val(w) for w in ex.weights]
-    if ex.layout.endswith("_t"):
-        first, down = first.transpose(1, 2), down.transpose(1, 2)
-    return moe_grouped_mm.supports(x, first, down)
+def _grouped_mm_runs(ex: Experts) -> bool:
+    return moe_op.resolve_impl("grouped_mm", val(ex.x), ex.layout, [val(w) for w in ex.weights]) == "grouped_mm"
 
 
 def _shape(ex: Experts) -> dict:
@@ -463,7 +459,7 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
     options = {}
     if can_launch(x.device) is None:
         options["triton"] = cost.estimate_moe(_shape(ex), "triton", ctx)
-    if moe_op.parse_layout(ex.layout)[0] in ("gate_up", "up") and _gmm_support(ex) is None:
+    if _grouped_mm_runs(ex):
         options["grouped_mm"] = cost.estimate_moe(_shape(ex), "grouped_mm", ctx)
     impl = config.moe_impl if config.moe_impl in options else min(options, key=lambda i: options[i].ours_s)
     estimate = options[impl]

@@ -68,7 +68,8 @@ def check(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layou
         raise ValueError("fusion::moe_experts: expert weights must have x's dtype and index an integer dtype")
 
 
-def _impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> str:
+def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> str:
+    """The path that runs: "grouped_mm" when asked for and the operands allow it, else "triton"."""
     base, transposed = parse_layout(layout)
     if impl == "grouped_mm" and base in ("gate_up", "up"):
         w_first = weights[0].transpose(1, 2) if transposed else weights[0]
@@ -85,7 +86,7 @@ def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor],
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
     gated = w_up is not None
-    if _impl(impl, x, layout, weights) == "grouped_mm":
+    if resolve_impl(impl, x, layout, weights) == "grouped_mm":
         first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
         out, a1, h, y = moe_grouped_mm.forward(x, routing, first, w_down, act, gated)
     else:
@@ -98,7 +99,7 @@ def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor],
 def _(x, index, weight, weights, layout, act, impl):
     w_gate, w_up, w_down = views(layout, weights)
     rows, ffn = index.numel(), w_gate.shape[1]
-    y_shape = (rows, x.shape[1]) if _impl(impl, x, layout, weights) == "grouped_mm" else (0,)
+    y_shape = (rows, x.shape[1]) if resolve_impl(impl, x, layout, weights) == "grouped_mm" else (0,)
     return (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
             x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
             index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
@@ -112,7 +113,7 @@ def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.rebuild(perm, offsets, weight)
     gated = w_up is not None
-    if _impl(impl, x, layout, weights) == "grouped_mm":
+    if resolve_impl(impl, x, layout, weights) == "grouped_mm":
         first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
         dx, dweight, d_first, d_down = moe_grouped_mm.backward(dout, x, routing, first, w_down, a1, h, y, act, gated,
                                                                 (needs[0], needs[1], needs[2], needs[3]))

@@ -41,11 +41,16 @@ def cases(dtype):
                                 [3, 5, 20], dtype, True)),
         (fusion.gemm_epilogue, (_LSE, _p(3, 5, 24, dtype=dtype), _p(3, 24, 20, dtype=dtype), [], [3, 5, 20],
                                 dtype, True)),
+        # routed experts: 7 tokens, top-2 of 3 experts, gated (Triton path) and ungated (grouped_mm path)
+        (fusion.moe_experts, (_p(7, 24, dtype=dtype), torch.randint(0, 3, (7, 2)), _p(7, 2, dtype=torch.float32),
+                              [_p(3, 40, 24, dtype=dtype), _p(3, 24, 20, dtype=dtype)], "gate_up", "silu", "triton")),
+        (fusion.moe_experts, (_p(7, 24, dtype=dtype), torch.randint(0, 3, (7, 2)), _p(7, 2, dtype=torch.float32),
+                              [_p(3, 24, 16, dtype=dtype), _p(3, 16, 24, dtype=dtype)], "up_t", "gelu", "grouped_mm")),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(20))
 def test_opcheck(dtype, index):
     op, args = cases(dtype)[index]
     torch.library.opcheck(op, args)

@@ -1,0 +1,248 @@
+"""MoE family through torch.compile: HF transformers' Mixtral sparse-MoE block in each experts spelling,
+and hand-written spellings (HF 5.17's sentinel masks, ungated GELU experts stored transposed), become
+one fusion::moe_experts call; the output and every gradient (x, router, expert weights) match eager.
+
+fp32 regions are compared with float64 eager at 1e-5 (the router runs in the graph, as in eager, so
+both pick the same experts); bf16 with bf16 eager at 2e-2 (our op sums the slots in fp32 as HF does;
+the GEMMs accumulate in another order), and with only the MoE family enabled: a forced GEMM epilogue
+on the router's matmul would keep its fp32 accumulator, and a different rounding of the router logits
+can flip a top-k choice.
+"""
+import re
+
+import pytest
+import torch
+from transformers import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+import fusion_compiler as fc
+from fusion_compiler import cost
+from tests.helpers import fusion_ops, rel_err
+
+HIDDEN, FFN, EXPERTS = 32, 24, 5
+
+
+def mixtral_block(impl: str, dtype=torch.float32, top_k=2):
+    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_local_experts=EXPERTS,
+                           num_experts_per_tok=top_k)
+    config._experts_implementation = impl
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, HIDDEN ** -0.5)
+    return block.to(dtype)
+
+
+def _run(module, x, backend, dout=None):
+    params = [p for p in module.parameters()]
+    x = x.clone().requires_grad_()
+    out = (torch.compile(module, backend=backend) if backend else module)(x)
+    dout = torch.randn_like(out) if dout is None else dout
+    grads = torch.autograd.grad(out, [x] + params, dout)
+    return out, grads, dout
+
+
+def check_block(make, x, moe_impl="auto", tol=1e-5, reference_dtype=torch.float64, families=None, make_ref=None):
+    """Compile make() with the fusion backend (MoE forced), compare with eager (make_ref or make)() in
+    reference_dtype, loaded with the same weights."""
+    torch.manual_seed(0)
+    module = make()
+    ref_module = (make_ref or make)()
+    ref_module.load_state_dict(module.state_dict())
+    ref_module.to(reference_dtype)
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always", moe_impl=moe_impl,
+                                          families=families))
+    out, grads, dout = _run(module, x, be)
+    ref, ref_grads, _ = _run(ref_module, x.to(reference_dtype), None, dout.to(reference_dtype))
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel_err(out, ref) <= tol, f"out: {rel_err(out, ref):.2e}"
+    names = ["x"] + [n for n, _ in module.named_parameters()]
+    largest = max(r.norm() for r in ref_grads)
+    for name, g, r in zip(names, grads, ref_grads):
+        if r.norm() <= 1e-4 * largest:  # zero in exact arithmetic (top-1 weights renormalized to 1 give the
+            assert (g.double() - r).norm() <= 1e-4 * largest, f"d {name}"  # router none): rounding noise
+            continue
+        assert rel_err(g, r) <= tol, f"d {name}: {rel_err(g, r):.2e}"
+    return be
+
+
+def _moe_rows(be):
+    return [d for d in be.log.decisions if d.family == "moe"]
+
+
+@pytest.mark.parametrize("moe_impl", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("spelling", ["grouped_mm", "batched_mm"])
+def test_hf_mixtral_block_fp32(spelling, moe_impl):
+    """fp32 compiles HF's grouped_mm spelling to its transformers::grouped_mm_fallback op: matched too."""
+    be = check_block(lambda: mixtral_block(spelling), torch.randn(2, 7, HIDDEN), moe_impl,
+                     make_ref=lambda: mixtral_block("eager"))  # the loop runs in float64
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and f"{spelling} spelling, gate_up, silu" in row.reason
+    assert f"impl {moe_impl}" in row.reason
+    assert fusion_ops(be).count("fusion::moe_experts") == 1
+
+
+@pytest.mark.parametrize("moe_impl", ["triton", "grouped_mm"])
+def test_hf_mixtral_block_bf16(moe_impl):
+    be = check_block(lambda: mixtral_block("grouped_mm", torch.bfloat16), torch.randn(2, 9, HIDDEN,
+                     dtype=torch.bfloat16), moe_impl, tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"})
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and f"impl {moe_impl}" in row.reason
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_top_k(top_k):
+    be = check_block(lambda: mixtral_block("grouped_mm", top_k=top_k), torch.randn(1, 11, HIDDEN),
+                     make_ref=lambda: mixtral_block("eager", top_k=top_k))
+    assert [r.verdict for r in _moe_rows(be)] == ["applied"]
+
+
+def test_inference_without_gradients():
+    torch.manual_seed(0)
+    block = mixtral_block("grouped_mm").requires_grad_(False)
+    x = torch.randn(2, 5, HIDDEN)
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    with torch.no_grad():
+        out = torch.compile(block, backend=be)(x)
+        ref_block = mixtral_block("eager")
+        ref_block.load_state_dict(block.state_dict())
+        ref = ref_block.double()(x.double())
+    assert rel_err(out, ref) <= 1e-5 and [r.verdict for r in _moe_rows(be)] == ["applied"]
+
+
+class SentinelMasked(torch.nn.Module):
+    """HF 5.17's grouped_mm spelling: sorted ids >= E (expert-parallel sentinels) mask the gathered
+    rows and both products, the sorted ids are clamped in place, and the fp32 slot sum is cast back."""
+
+    def __init__(self, experts=EXPERTS, hidden=HIDDEN, ffn=FFN, top_k=2):
+        super().__init__()
+        self.k, self.experts = top_k, experts
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * hidden ** -0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * ffn ** -0.5)
+
+    def forward(self, x):
+        x = x.view(-1, x.shape[-1])
+        probs = self.router(x).float().softmax(-1)
+        weight, index = probs.topk(self.k, -1)
+        ids, perm = torch.sort(index.reshape(-1))
+        rows = x[perm // self.k]
+        counts = torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        sentinel = (ids >= self.experts).unsqueeze(-1)
+        ids.clamp_(max=self.experts - 1)
+        rows = rows.masked_fill(sentinel, 0.0)
+        a = torch.ops.transformers.grouped_mm_fallback(rows, self.gate_up.transpose(-2, -1), offs=offsets)
+        gate, up = a.masked_fill(sentinel, 0.0).chunk(2, dim=-1)
+        y = torch.ops.transformers.grouped_mm_fallback(torch.nn.functional.silu(gate) * up,
+                                                       self.down.transpose(-2, -1), offs=offsets)
+        y = y.masked_fill(sentinel, 0.0) * weight.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return y[inverse].view(x.shape[0], self.k, -1).sum(1).to(x.dtype)
+
+
+class GeluExpertsTransposed(torch.nn.Module):
+    """Ungated GELU experts with weights stored [E, in, out], the products through torch's grouped_mm
+    (whose fake kernel takes bf16 only: the module runs in bf16)."""
+
+    def __init__(self, experts=EXPERTS, hidden=HIDDEN, ffn=FFN, top_k=2):
+        super().__init__()
+        self.k, self.experts = top_k, experts
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.up = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * hidden ** -0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, ffn, hidden) * ffn ** -0.5)
+
+    def forward(self, x):
+        weight, index = self.router(x).softmax(-1).topk(self.k, -1)
+        ids, perm = torch.sort(index.reshape(-1))
+        offsets = torch.cumsum(torch.histc(ids.float(), self.experts, 0, self.experts - 1), 0, dtype=torch.int32)
+        h = torch.nn.functional.gelu(torch._grouped_mm(x[perm // self.k], self.up, offs=offsets))
+        y = torch._grouped_mm(h, self.down, offs=offsets) * weight.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return y[inverse].view(x.shape[0], self.k, -1).sum(1)
+
+
+def test_hf_517_sentinel_masked_spelling():
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    be = check_block(SentinelMasked, torch.randn(13, HIDDEN))
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and "gate_up, silu" in row.reason
+    # the sort, the in-place clamp and the masks went with the region
+    graph_ops = [str(n.target) for gm in be.rewritten for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("sort" in t or "clamp_" in t or "masked_fill" in t for t in graph_ops)
+
+
+@pytest.mark.parametrize("moe_impl", ["triton", "grouped_mm"])
+def test_ungated_gelu_experts_stored_transposed(moe_impl):
+    be = check_block(lambda: GeluExpertsTransposed().to(torch.bfloat16), torch.randn(10, HIDDEN, dtype=torch.bfloat16),
+                     moe_impl, tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"})
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and "up_t, gelu" in row.reason
+
+
+class ReturnsActivations(GeluExpertsTransposed):
+    def forward(self, x):
+        weight, index = self.router(x).softmax(-1).topk(self.k, -1)
+        ids, perm = torch.sort(index.reshape(-1))
+        offsets = torch.cumsum(torch.histc(ids.float(), self.experts, 0, self.experts - 1), 0, dtype=torch.int32)
+        h = torch.nn.functional.gelu(torch._grouped_mm(x[perm // self.k], self.up, offs=offsets))
+        y = torch._grouped_mm(h, self.down, offs=offsets) * weight.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return y[inverse].view(x.shape[0], self.k, -1).sum(1), h.square().mean()
+
+
+def test_an_intermediate_used_elsewhere_is_a_near_miss():
+    module = ReturnsActivations().to(torch.bfloat16)
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always", families={"moe"}))
+    x = torch.randn(6, HIDDEN, dtype=torch.bfloat16)
+    out, extra = torch.compile(module, backend=be)(x)
+    ref, ref_extra = module(x)
+    assert rel_err(out, ref) <= 1e-2 and rel_err(extra, ref_extra) <= 1e-2
+    [row] = _moe_rows(be)
+    assert row.verdict == "near-miss" and "is also used by" in row.reason
+    assert "fusion::moe_experts" not in fusion_ops(be)
+
+
+def test_float64_is_rejected_with_its_reason_and_left_correct():
+    block = mixtral_block("grouped_mm", torch.float64)
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    x = torch.randn(1, 6, HIDDEN, dtype=torch.float64)
+    out = torch.compile(block, backend=be)(x)
+    [row] = _moe_rows(be)
+    assert row.verdict == "rejected" and "float64 not supported" in row.reason
+    loop = mixtral_block("eager", torch.float64)
+    loop.load_state_dict(block.state_dict())
+    assert rel_err(out, loop(x)) <= 1e-6  # (the router's softmax runs in fp32)
+
+
+def test_per_expert_loop_graph_break_is_reported_with_the_setting():
+    block = mixtral_block("eager")
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager"))
+    x = torch.randn(1, 6, HIDDEN)
+    with pytest.warns(UserWarning, match="experts_implementation='grouped_mm'"):
+        out = torch.compile(block, backend=be)(x)
+    assert rel_err(out, block(x)) <= 1e-6
+    rows = [d for d in be.log.decisions if d.pattern == "moe_loop_graph_break"]
+    assert rows and rows[0].verdict == "near-miss" and ".nonzero()" in rows[0].reason
+
+
+def test_cost_model_picks_grouped_mm_at_the_reference_block_and_keeps_inductor_unmeasured():
+    shape = dict(tokens=8192, top_k=2, width=2048, ffn=4096, experts=8, gated=True, dtype=torch.bfloat16)
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", True, False)
+    gmm, triton = cost.estimate_moe(shape, "grouped_mm", ctx), cost.estimate_moe(shape, "triton", ctx)
+    assert gmm.profitable and not triton.profitable and gmm.ours_s < triton.ours_s
+    unmeasured = cost.CostContext(cost.DeviceProfile("new", 3e12, 4e-6, {}), "inductor", True, False)
+    assert not cost.estimate_moe(shape, "grouped_mm", unmeasured).profitable
+
+
+def test_roofline_decision_records_the_choice():
+    """Under the default cost model (h200 profile on CPU) the region is decided, with both estimates."""
+    block = mixtral_block("grouped_mm")
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager"))
+    torch.compile(block, backend=be)(torch.randn(1, 8, HIDDEN))
+    [row] = _moe_rows(be)
+    assert re.search(r"impl (triton|grouped_mm) \(over (grouped_mm|triton): est\. [0-9.]+ us\)", row.reason)
+    assert "h200 profile" in row.reason
