@@ -5,6 +5,8 @@
 
 4 layers, hidden 2048, 32 heads / 8 kv, ffn 8192, vocab 128256, bf16, batch 2 x 2048, AdamW(fused).
 Reports the first step (compile) time, the median step time, tokens/s, peak memory and the first loss.
+fusion_fp8_{rowwise,tensorwise}: FusionConfig(fp8=recipe), the linears the cost model takes in FP8;
+fusion_fp8_always: every linear in FP8 (rowwise) and nothing else rewritten.
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its
 memory although it is a little slower than Inductor's (cost.py). liger: Liger-Kernel's patched HF Llama, eager (it
@@ -37,7 +39,9 @@ def make_step(mode, batch=2, seq=2048):
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     be = {"fusion": "fusion", "fusion_always": fc.backend(cost_model="always"),
-          "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True), "inductor": "inductor"}.get(mode)
+          "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True), "inductor": "inductor",
+          "fusion_fp8_rowwise": fc.backend(fp8="rowwise"), "fusion_fp8_tensorwise": fc.backend(fp8="tensorwise"),
+          "fusion_fp8_always": fc.backend(fp8="rowwise", cost_model="always", families={"fp8"})}.get(mode)
     fwd = torch.compile(model, backend=be) if be is not None else model
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)

@@ -38,6 +38,8 @@ def size_hint(x, fallback: int = 4096) -> int:
 set_grad_enabled = torch._C._set_grad_enabled
 # the grouped GEMM over row ranges (public as F.grouped_mm from torch 2.12, private before)
 grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# the FP8 GEMM with per-tensor or per-row dequantization scales (torch 2.11-2.13: private)
+scaled_mm = torch._scaled_mm
 
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
@@ -54,6 +56,7 @@ __all__ = [
     "detect_fake_mode",
     "get_hash_for_files",
     "grouped_mm",
+    "scaled_mm",
     "set_grad_enabled",
     "size_hint",
     "tracing",

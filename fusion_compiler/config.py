@@ -6,6 +6,7 @@ HANDOFFS = ("inductor", "aot_eager", "eager")
 COST_MODELS = ("roofline", "always")
 BASELINES = ("inductor", "eager")
 MOE_IMPLS = ("auto", "triton", "grouped_mm")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,11 @@ class FusionConfig:
         against cuBLAS on the bare product once per shape, and fuse only where the kernel is faster
         than cuBLAS plus the epilogue pass Inductor would add; the timings are kept on disk
         (codegen/tuning.py), so a shape is timed once per machine. Off: the roofline alone decides.
+    fp8: None (off), or the FP8 recipe linears may be rewritten with (patterns/fp8.py, per GEMM by
+        the cost model): "tensorwise" (per-tensor scales, e4m3 forward, e5m2 gradients), "rowwise"
+        (per-row scales, e4m3), "rowwise_gw_hp" (rowwise, the weight gradient in high precision).
+    fp8_emulate: compute the recipe's FP8 rounding in higher precision instead of FP8 GEMMs (any
+        device: checks the numerics on CPU; never faster).
     moe_impl: how routed experts run: "auto" (the cost model picks per shape), "triton" (generated
         grouped GEMMs gathering rows in-kernel) or "grouped_mm" (torch's grouped GEMM; bf16 on CUDA,
         16-byte aligned rows), where the operands allow it.
@@ -78,6 +84,8 @@ class FusionConfig:
     skip_clipped_grad_store: bool = False
     gemm_timing: bool = True
     moe_impl: str = "auto"
+    fp8: Optional[str] = None
+    fp8_emulate: bool = False
 
     def __post_init__(self):
         for name in ("families", "patterns"):
@@ -88,6 +96,8 @@ class FusionConfig:
             raise ValueError(f"handoff={self.handoff!r}: expected one of {HANDOFFS}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model={self.cost_model!r}: expected one of {COST_MODELS}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8={self.fp8!r}: expected None or one of {FP8_RECIPES}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r}: expected one of {MOE_IMPLS}")
         if self.cost_baseline is not None and self.cost_baseline not in BASELINES:

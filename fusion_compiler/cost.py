@@ -48,6 +48,8 @@ class DeviceProfile:
     # horizontal GEMM fusion timed on the Llama reference layer: (fwd, fwd+bwd) time with q/k/v and
     # gate/up concatenated over the separate GEMMs'; () when not timed on this card
     horizontal: tuple = ()
+    # FP8 GEMM rate (torch._scaled_mm, large products), FLOP/s; 0 until measured on the card
+    fp8_flops: float = 0.0
     # routed experts: (fraction of matmul_flops our Triton grouped GEMMs reach, the same for torch's
     # grouped_mm, the spelling's passes under Inductor over their byte estimate at the copy rate);
     # () until measured on the card (then a rewrite is never estimated faster)
@@ -110,16 +112,20 @@ _MOE_H200 = (0.47, 0.83, 1.7)
 # benchmarks/runs/2026-12-03-h200-horizontal-1.json: one LlamaDecoderLayer (2048, 32/8 heads, ffn 8192,
 # 2 x 2048 tokens, bf16): Inductor 0.827 / 2.817 ms, concatenated 0.870 / 2.857 ms: slower
 _HORIZONTAL_H200 = (1.052, 1.014)
+# torch._scaled_mm e4m3 at 8192^3 on the H100 (../shared/anchors/): 1276 TFLOP/s; the H200 (the same
+# GH100 chip) is assumed to match until measured
+_FP8_H100 = 1276e12
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
-                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200),
+                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200,
+                          fp8_flops=_FP8_H100),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
                           gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200,
-                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200),
+                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H100),
 }
 REFERENCE = "h200"
 
@@ -414,6 +420,32 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     return Estimate(ours, base, ours_bytes, gemm_io + spelling, ctx.baseline,
                     f"{flops / 1e9:.1f} GFLOP; grouped GEMMs at {eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
                     f"(torch's grouped_mm {gmm_eff:.0%}; the spelling's passes x{spelling_factor:.1f}, {p.name} profile)")
+
+
+def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext) -> Estimate:
+    """x [m, k] @ w [n, k]^T (and in training dx and dW) as FP8 GEMMs against cuBLAS in the operands'
+    dtype. FP8 adds quantization passes: each operand read (per-tensor scales: twice, an amax pass
+    first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward."""
+    p = ctx.profile
+    if not p.fp8_flops:
+        base = 0.0
+        return Estimate(base, base, 0, 0, ctx.baseline, f"FP8 GEMMs not measured on {p.name}: keep {ctx.baseline}")
+    products = [(m, n, k)] + ([(m, k, n), (n, k, m)] if ctx.training else [])
+
+    def gemm_s(rate: float, eff: float, mm: int, nn: int, kk: int, es: float) -> float:
+        flops = 2.0 * mm * nn * kk
+        moved = (mm * kk + nn * kk + mm * nn) * es
+        return p.launch_s + max(flops / (rate * eff * _wave_efficiency(mm, nn, p.sms)), moved / p.bandwidth)
+    high = sum(gemm_s(p.matmul_flops, p.gemm[1], *mnk, element_size) for mnk in products)
+    low = sum(gemm_s(p.fp8_flops, 1.0, *mnk, 1) for mnk in products)
+    moved = sum(mm * kk + nn * kk + mm * nn for mm, nn, kk in products)
+    operands = [m * k, n * k] + ([m * n, m * n, n * k, m * k] if ctx.training else [])
+    reads = 1 if per_row else 2
+    quant_bytes = sum(operands) * (reads * element_size + 1)
+    quant = quant_bytes / (p.bandwidth * p.default_efficiency) + len(operands) * (1 if per_row else 2) * p.launch_s
+    return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,
+                    f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization {quant * 1e6:.1f} us "
+                    f"({quant_bytes / 2**20:.1f} MiB) vs {element_size * 8}-bit {high * 1e6:.1f} us ({p.name} profile)")
 
 
 def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, baseline_bytes: int,

@@ -212,15 +212,15 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
 
 def known_names() -> list:
     """Every pattern and every name of the families with their own passes (gemm, optimizer)."""
-    from fusion_compiler.patterns import gemm, gemm_horizontal, moe, optimizer
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, optimizer
     return (registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS)
-            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS))
+            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS) + [fp8.DESCRIPTOR])
 
 
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
-    from fusion_compiler.patterns import gemm, gemm_horizontal, moe
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe
     patterns = registered_patterns()
     config.check_names(known_names())
     needs_grad = _needs_grad(gm, grad_inputs)
@@ -251,7 +251,9 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                     live = set(gm.graph.nodes)
                     applied += 1
             log.add(decision)
-    # last: a GEMM's chain is what the patterns above left of it; then products sharing an input
+    # FP8 linears (opt-in), then a GEMM's chain is what the patterns above left of it; then products
+    # sharing an input
+    applied += fp8.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     applied += gemm.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     applied += gemm_horizontal.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     gm.recompile()

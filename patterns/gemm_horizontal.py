@@ -32,7 +32,7 @@ _STRIDED = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
             aten.split.Tensor, aten.split_with_sizes.default, aten.unflatten.int, operator.getitem)
 
 
-def _linear(node: fx.Node):
+def linear_operands(node: fx.Node):
     """(input, weight [N, K], bias or None) of an F.linear-shaped mm / addmm, else None."""
     if node.op != "call_function":
         return None
@@ -68,7 +68,7 @@ def groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     dtype and device."""
     found = collections.defaultdict(list)
     for node in gm.graph.nodes:
-        parts = _linear(node)
+        parts = linear_operands(node)
         if parts is None:
             continue
         a, w, _ = parts
@@ -97,8 +97,8 @@ def _downstream_ok(part: torch.Tensor, node: fx.Node) -> str | None:
 
 
 def _row(gid, group, verdict, reason, estimate=None) -> Decision:
-    a, *_ = _linear(group[0])
-    inputs = [val(a)] + [val(_linear(n)[1]) for n in group]
+    a, *_ = linear_operands(group[0])
+    inputs = [val(a)] + [val(linear_operands(n)[1]) for n in group]
     return Decision(gid, DESCRIPTOR.name, DESCRIPTOR.family, verdict, reason, location(group[0]),
                     tuple(describe(v) for v in inputs), bytes_saved=estimate.bytes_saved if estimate else None,
                     time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel="aten.mm")
@@ -110,8 +110,8 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         return 0
     applied = 0
     for group in groups(gm):
-        a, _, _ = _linear(group[0])
-        weights = [val(_linear(n)[1]) for n in group]
+        a, _, _ = linear_operands(group[0])
+        weights = [val(linear_operands(n)[1]) for n in group]
         training = any(n in needs_grad for n in group)
         ctx = cost.CostContext(cost.profile_for(val(a).device, config.device_profile), config.baseline, training)
         estimate = cost.estimate_horizontal(val(a), weights, ctx)
@@ -145,7 +145,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
 
 def _concatenate(gm: fx.GraphModule, group: list) -> str | None:
     """Replace the group by one product and its split (None), or say why the layout does not fit."""
-    parts = [_linear(n) for n in group]
+    parts = [linear_operands(n) for n in group]
     a = parts[0][0]
     sizes = [val(w).shape[0] for _, w, _ in parts]
     wide = val(group[0]).new_empty((val(group[0]).shape[0], sum(sizes)))

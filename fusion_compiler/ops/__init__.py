@@ -20,10 +20,12 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.gemm_epilogue(epilogue, a, b, sides, shape, out_dtype, save_product)
                                                             -> (epilogue(a @ b), a @ b or empty): one
                                                             GEMM kernel with the chain in its epilogue
+    torch.ops.fusion.fp8_linear(x, w, recipe, emulate)      -> x @ w^T with all three training GEMMs in
+                                                            FP8 (dynamic per-row or per-tensor scales)
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
                                                             -> (routed experts' sum, saved a1, h, perm,
                                                             offsets): grouped GEMMs over expert-sorted rows
 """
-from . import elementwise, embedding, gemm, loss, moe, multi_tensor, norm  # noqa: F401  (registers the ops)
+from . import elementwise, embedding, fp8, gemm, loss, moe, multi_tensor, norm  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES

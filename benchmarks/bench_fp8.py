@@ -1,0 +1,135 @@
+"""FP8 linears: the op alone against bf16 (fwd and fwd+bwd, quantization included), and a loss curve.
+
+    python benchmarks/bench_fp8.py [--parts linear train] [--steps 300]
+
+linear: x [M, K] @ w [N, K]^T in bf16 (cuBLAS, as F.linear and Inductor run it) and as
+fusion::fp8_linear with each recipe, at 4096^3, 8192^3 and the Llama-8B MLP (8192 tokens, 4096 ->
+14336 and 14336 -> 4096). GPU time: the profiler's kernel sum per call; SQNR of y, dx, dW against the
+bf16 results (dB). Also the bare torch._scaled_mm rate at 8192^3 (the cost model's figure).
+train: a small Llama (8 layers, hidden 1024, ffn 4096, vocab 8192, 8 x 512 tokens) trained `--steps`
+steps with AdamW from one seed on a fixed random bigram language, bf16 under Inductor against every
+linear in FP8 (rowwise, forced), the losses saved for the plot (plot_fp8.py).
+"""
+import argparse
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import fusion_compiler as fc
+from common import bench_gpu_ms, env, save, table
+
+SHAPES = {"4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192), "llama8b_up": (8192, 14336, 4096),
+          "llama8b_down": (8192, 4096, 14336)}
+
+
+def sqnr(a, ref) -> float:
+    a, ref = a.double(), ref.double()
+    noise = (a - ref).pow(2).sum()
+    return round(10 * math.log10(ref.pow(2).sum().item() / noise.item()), 1) if noise > 0 else float("inf")
+
+
+def linear_rows() -> list:
+    rows = []
+    for name, (m, n, k) in SHAPES.items():
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, w)
+        ref_dx, ref_dw = torch.autograd.grad(ref, [x, w], dy)
+        flops = 2.0 * m * n * k
+        impls = {"bf16": lambda: F.linear(x, w)}
+        for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp"):
+            impls[f"fp8_{recipe}"] = (lambda r: lambda: torch.ops.fusion.fp8_linear(x, w, r, False))(recipe)
+        for label, fn in impls.items():
+            y = fn()
+            dx, dw = torch.autograd.grad(y, [x, w], dy)
+            with torch.no_grad():
+                fwd = bench_gpu_ms(fn)
+
+            def step():
+                torch.autograd.grad(fn(), [x, w], dy)
+            both = bench_gpu_ms(step)
+            row = dict(shape=name, impl=label, fwd_ms=round(fwd, 3), fwdbwd_ms=round(both, 3),
+                       fwd_tflops=round(flops / fwd / 1e9), fwdbwd_tflops=round(3 * flops / both / 1e9),
+                       sqnr_y=sqnr(y, ref), sqnr_dx=sqnr(dx, ref_dx), sqnr_dw=sqnr(dw, ref_dw))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    base = {r["shape"]: r for r in rows if r["impl"] == "bf16"}
+    for r in rows:
+        r["fwd_x"] = round(base[r["shape"]]["fwd_ms"] / r["fwd_ms"], 2)
+        r["fwdbwd_x"] = round(base[r["shape"]]["fwdbwd_ms"] / r["fwdbwd_ms"], 2)
+    return rows
+
+
+def scaled_mm_rate() -> float:
+    from fusion_compiler._compat import scaled_mm
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = bench_gpu_ms(lambda: scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def bigram_batches(steps: int, batch=8, seq=512, vocab=8192, seed=0):
+    """Token sequences from one fixed random bigram table (each token picks its successor among 16)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 16), device="cuda", generator=g)
+    for _ in range(steps):
+        ids = torch.empty(batch, seq, dtype=torch.long, device="cuda")
+        ids[:, 0] = torch.randint(0, vocab, (batch,), device="cuda", generator=g)
+        choice = torch.randint(0, 16, (batch, seq), device="cuda", generator=g)
+        for t in range(1, seq):
+            ids[:, t] = successors[ids[:, t - 1], choice[:, t]]
+        yield ids
+
+
+def train(mode: str, steps: int) -> list:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True)
+    be = "inductor" if mode == "bf16" else fc.backend(fp8="rowwise", cost_model="always", families={"fp8"})
+    fwd = torch.compile(model, backend=be)
+    losses = []
+    for ids in bigram_batches(steps):
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if mode != "bf16":
+        print(fc.Report(be.log.decisions).summary(), flush=True)
+    return losses
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["linear", "train"])
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    payload = {"env": env()}
+    if "linear" in args.parts:
+        payload["scaled_mm_tflops_8192"] = round(scaled_mm_rate(), 1)
+        print("scaled_mm 8192^3:", payload["scaled_mm_tflops_8192"], "TFLOP/s", flush=True)
+        payload["linear"] = linear_rows()
+        save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
+    if "train" in args.parts:
+        payload["train"] = {mode: train(mode, args.steps) for mode in ("bf16", "fp8_rowwise")}
+        save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
+        a, b = payload["train"]["bf16"], payload["train"]["fp8_rowwise"]
+        tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
+        print(f"final loss (mean of last 20): bf16 {tail(a):.4f} fp8 {tail(b):.4f} ({(tail(b) / tail(a) - 1) * 100:+.2f}%)")
+    if "linear" in payload:
+        print(table(payload["linear"], ["shape", "impl", "fwd_ms", "fwdbwd_ms", "fwd_x", "fwdbwd_x", "fwd_tflops",
+                                        "fwdbwd_tflops", "sqnr_y", "sqnr_dx", "sqnr_dw"]))
+
+
+if __name__ == "__main__":
+    main()

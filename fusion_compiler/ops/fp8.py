@@ -1,0 +1,100 @@
+"""The FP8 linear (quantization in codegen/fp8.py, the GEMMs on torch._scaled_mm).
+
+    fusion::fp8_linear(x [M, K], w [N, K], recipe, emulate) -> y = x @ w^T [M, N] in x's dtype
+    fusion::fp8_linear_backward(dy, x, w, recipe, emulate, needs) -> [dx, dw]
+
+All three GEMMs of training run in FP8 with dynamic scales computed from the current tensors:
+    y  = q(x) @ q(w)^T          scales per row of x and of w (rowwise) or per tensor (tensorwise)
+    dx = q(dy) @ q(w^T)^T       w re-quantized along N, the new reduction dim
+    dw = q(dy^T) @ q(x^T)^T     dy and x along M; or dy^T @ x in high precision (grad_weight_hp)
+Recipes (RECIPES): "tensorwise" (e4m3 forward, e5m2 gradients), "rowwise" (e4m3 throughout) and
+"rowwise_gw_hp" (rowwise with dW in x's dtype). `emulate` computes the same quantization (the same
+scales, the same FP8 rounding) in torch ops and the products in fp32: the math of the recipe on any
+device, for CPU tests.
+"""
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from fusion_compiler._compat import scaled_mm
+from fusion_compiler.codegen import fp8 as kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    per_row: bool
+    grad_dtype: torch.dtype  # of dy
+    grad_weight_hp: bool  # dW = dy^T x in x's dtype
+
+
+RECIPES = {
+    "tensorwise": Recipe(False, torch.float8_e5m2, False),
+    "rowwise": Recipe(True, torch.float8_e4m3fn, False),
+    "rowwise_gw_hp": Recipe(True, torch.float8_e4m3fn, True),
+}
+E4M3 = torch.float8_e4m3fn
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"fp8 recipe {name!r}: expected one of {sorted(RECIPES)}")
+    return RECIPES[name]
+
+
+def _quantize(t: Tensor, dtype: torch.dtype, per_row: bool, emulate: bool):
+    return (kernels.quantize_reference if emulate else kernels.quantize)(t, dtype, per_row)
+
+
+def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, per_row: bool, out_dtype: torch.dtype, emulate: bool) -> Tensor:
+    """a [M, K] @ b [N, K]^T, both quantized along K (their rows)."""
+    qa, sa = _quantize(a, a_dtype, per_row, emulate)
+    qb, sb = _quantize(b, b_dtype, per_row, emulate)
+    if emulate:
+        return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
+    return scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t() if per_row else sb, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("fusion::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool) -> Tensor:
+    r = recipe(recipe_name)
+    return _gemm(x, w, E4M3, E4M3, r.per_row, x.dtype, emulate)
+
+
+@fp8_linear.register_fake
+def _(x, w, recipe_name, emulate):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("fusion::fp8_linear_backward", mutates_args=())
+def fp8_linear_backward(dy: Tensor, x: Tensor, w: Tensor, recipe_name: str, emulate: bool,
+                        needs: list[bool]) -> list[Tensor]:
+    r = recipe(recipe_name)
+    dx = dw = x.new_empty(0)
+    if needs[0]:  # dx = dy @ w: w quantized along N
+        dx = _gemm(dy, w.t(), r.grad_dtype, E4M3, r.per_row, x.dtype, emulate)
+    if needs[1]:  # dW = dy^T @ x: both quantized along M
+        dw = (dy.t() @ x).to(w.dtype) if r.grad_weight_hp else \
+            _gemm(dy.t(), x.t(), r.grad_dtype, E4M3, r.per_row, w.dtype, emulate)
+    return [dx, dw]
+
+
+@fp8_linear_backward.register_fake
+def _(dy, x, w, recipe_name, emulate, needs):
+    return [x.new_empty(x.shape if needs[0] else (0,)), w.new_empty(w.shape if needs[1] else (0,))]
+
+
+def _setup(ctx, inputs, output):
+    x, w, recipe_name, emulate = inputs
+    ctx.recipe, ctx.emulate = recipe_name, emulate
+    ctx.save_for_backward(x, w)
+
+
+def _grad(ctx, dy):
+    x, w = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+    dx, dw = fp8_linear_backward(dy.contiguous(), x, w, ctx.recipe, ctx.emulate, needs)
+    return (dx if needs[0] else None), (dw if needs[1] else None), None, None
+
+
+fp8_linear.register_autograd(_grad, setup_context=_setup)
