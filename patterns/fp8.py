@@ -10,8 +10,8 @@ layouts in training) against the high-precision GEMMs on cuBLAS; small or skinny
 the passes cost more than the faster GEMM saves, keep their dtype and the row says why.
 Legal: a CUDA GPU of compute capability >= 8.9 (or FusionConfig(fp8_emulate=True), which computes
 the recipe's rounding in higher precision on any device), fp32/bf16/fp16 operands of one dtype,
-static sizes that are multiples of 16 (torch._scaled_mm's). Linears with a bias (addmm) are left
-alone.
+static sizes that are multiples of 16 (torch._scaled_mm's), bf16 for the rowwise recipes (their
+scaled GEMM returns bf16 only). Linears with a bias (addmm) are left alone.
 
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
@@ -46,12 +46,14 @@ def _hardware(device: torch.device, emulate: bool) -> str | None:
     return None
 
 
-def _legal(x: torch.Tensor, w: torch.Tensor, emulate: bool) -> str | None:
+def _legal(x: torch.Tensor, w: torch.Tensor, recipe: str, emulate: bool) -> str | None:
     why = one_device([x, w]) or float_dtype(x) or _hardware(x.device, emulate)
     if why:
         return why
     if w.dtype != x.dtype:
         return f"weight {w.dtype} and input {x.dtype} differ"
+    if fp8_op.recipe(recipe).per_row and x.dtype != torch.bfloat16:
+        return f"recipe {recipe}: torch._scaled_mm's per-row scaling returns bfloat16 only, the linear is {x.dtype}"
     sizes = (*x.shape, w.shape[0])
     if any(isinstance(s, torch.SymInt) for s in sizes):
         return "symbolic (dynamic) sizes"
@@ -81,7 +83,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
             continue
         a, w, _ = found
         x_val, w_val = val(a), val(w)
-        why = _legal(x_val, w_val, config.fp8_emulate)
+        why = _legal(x_val, w_val, config.fp8, config.fp8_emulate)
         if why:
             log.add(_row(gid, node, "rejected", why, [x_val, w_val]))
             continue
