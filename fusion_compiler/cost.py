@@ -48,8 +48,10 @@ class DeviceProfile:
     # horizontal GEMM fusion timed on the Llama reference layer: (fwd, fwd+bwd) time with q/k/v and
     # gate/up concatenated over the separate GEMMs'; () when not timed on this card
     horizontal: tuple = ()
-    # FP8 GEMM rate (torch._scaled_mm, large products), FLOP/s; 0 until measured on the card
+    # FP8 GEMM rate (torch._scaled_mm, large products), FLOP/s; 0 until measured on the card; and the
+    # time an FP8 GEMM costs beyond its GEMM and quantization passes (launches, dispatch), seconds
     fp8_flops: float = 0.0
+    fp8_overhead_s: float = 0.0
     # routed experts: (fraction of matmul_flops our Triton grouped GEMMs reach, the same for torch's
     # grouped_mm, the spelling's passes under Inductor over their byte estimate at the copy rate);
     # () until measured on the card (then a rewrite is never estimated faster)
@@ -112,20 +114,24 @@ _MOE_H200 = (0.47, 0.83, 1.7)
 # benchmarks/runs/2026-12-03-h200-horizontal-1.json: one LlamaDecoderLayer (2048, 32/8 heads, ffn 8192,
 # 2 x 2048 tokens, bf16): Inductor 0.827 / 2.817 ms, concatenated 0.870 / 2.857 ms: slower
 _HORIZONTAL_H200 = (1.052, 1.014)
-# torch._scaled_mm e4m3 at 8192^3 on the H100 (../shared/anchors/): 1276 TFLOP/s; the H200 (the same
-# GH100 chip) is assumed to match until measured
-_FP8_H100 = 1276e12
+# torch._scaled_mm e4m3 at 8192^3: H100 1276 TFLOP/s (../shared/anchors/), H200 1483
+# (runs/2026-12-03-h200-fp8-1.json). Overhead: on the reference Llama step (runs/2026-12-03-h200-llama-
+# step-fp8.json) the 12 MLP linears in FP8 were estimated 1.0 ms faster and measured 2.3 ms slower:
+# ~275 us per linear in training beyond the estimate, ~90 us per GEMM (its launches from Python: the
+# op's dispatch, the quantization kernels); the H100 is assumed to match
+_FP8_H100, _FP8_H200, _FP8_OVERHEAD = 1276e12, 1483e12, 90e-6
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
                           gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200,
-                          fp8_flops=_FP8_H100),
+                          fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
                           gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200,
-                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H100),
+                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
+                          fp8_overhead_s=_FP8_OVERHEAD),
 }
 REFERENCE = "h200"
 
@@ -425,7 +431,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
 def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext) -> Estimate:
     """x [m, k] @ w [n, k]^T (and in training dx and dW) as FP8 GEMMs against cuBLAS in the operands'
     dtype. FP8 adds quantization passes: each operand read (per-tensor scales: twice, an amax pass
-    first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward."""
+    first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward;
+    and the overhead per GEMM measured on a whole train step (DeviceProfile.fp8_overhead_s)."""
     p = ctx.profile
     if not p.fp8_flops:
         base = 0.0
@@ -443,8 +450,9 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
     reads = 1 if per_row else 2
     quant_bytes = sum(operands) * (reads * element_size + 1)
     quant = quant_bytes / (p.bandwidth * p.default_efficiency) + len(operands) * (1 if per_row else 2) * p.launch_s
+    quant += len(products) * p.fp8_overhead_s
     return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,
-                    f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization {quant * 1e6:.1f} us "
+                    f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization and overhead {quant * 1e6:.1f} us "
                     f"({quant_bytes / 2**20:.1f} MiB) vs {element_size * 8}-bit {high * 1e6:.1f} us ({p.name} profile)")
 
 
