@@ -129,46 +129,71 @@ def _inverse(routing: Routing) -> torch.Tensor:
     return inverse
 
 
-def forward(x, routing: Routing, w_gate_up, w_down, act: str, gated: bool):
+def _rows(x, routing: Routing, scale_input: bool) -> torch.Tensor:
+    """The token rows in expert order (a gathered copy), times the routing weight when the weight
+    scales the experts' input (torchtitan's score-before-experts)."""
+    rows = x[routing.token.long()]
+    return (rows.float() * routing.weight[:, None]).to(x.dtype) if scale_input else rows
+
+
+def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
     """(out, a1, h, y) as codegen.moe.forward plus y = the down projection's rows (the backward's
-    routing-weight gradient reads them); w_gate_up is [E, 2F, D] ([gate; up]) or [E, F, D] ungated."""
-    ends, w_gate_up, w_down = routing.offsets[1:], _aligned(w_gate_up), _aligned(w_down)
-    a1 = grouped_mm(x[routing.token.long()], w_gate_up.transpose(1, 2), offs=ends)
+    routing-weight gradient reads them; empty when the weight scales the input). `ups`: the first
+    projection's weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
+    ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
+    rows = _rows(x, routing, scale_input)
+    parts = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
+    a1 = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
     ffn = w_down.shape[-1]
     h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act) if gated else _ACT[act](a1)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    return combine(y, routing, _inverse(routing), x.shape[0], True, x.dtype), a1, h, y
+    out = combine(y, routing, _inverse(routing), x.shape[0], not scale_input, x.dtype)
+    return out, a1, h, (x.new_empty(0) if scale_input else y)
 
 
-def backward(dout, x, routing: Routing, w_gate_up, w_down, a1, h, y, act: str, gated: bool, needs: tuple):
-    """(dx, d routing weights [T, k] fp32, dw_gate_up, dw_down), None where `needs` (x, weights,
-    w_gate_up, w_down) says no."""
+def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, gated: bool, scale_input: bool,
+             needs: tuple):
+    """(dx, d routing weights [T, k] fp32, [d up weights], d w_down), None where `needs` (x, weights,
+    each of ups, w_down) says no."""
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
-    w_gate_up, w_down = _aligned(w_gate_up), _aligned(w_down)
-    rows, width = y.shape
+    ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
+    rows, width = routing.perm.numel(), x.shape[1]
     dout = dout.contiguous()
-    dy = alloc((rows, width), x.dtype, x.device)
-    dw_rows = alloc((rows,), torch.float32, x.device)
-    block_s, block_d = _tile(width)
-    if rows and width:
-        _scatter_grad_kernel[(triton.cdiv(rows, block_s),)](
-            dout, routing.token, routing.weight, y, routing.offsets[-1:], dy, dw_rows, rows, width,
-            dout.stride(0), y.stride(0), dy.stride(0), BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+    valid = (torch.arange(rows, device=x.device) < routing.offsets[-1])
+    if scale_input:
+        dy, dw_rows = dout[routing.token.long()], None
+    else:
+        dy = alloc((rows, width), x.dtype, x.device)
+        dw_rows = alloc((rows,), torch.float32, x.device)
+        block_s, block_d = _tile(width)
+        if rows and width:
+            _scatter_grad_kernel[(triton.cdiv(rows, block_s),)](
+                dout, routing.token, routing.weight, y, routing.offsets[-1:], dy, dw_rows, rows, width,
+                dout.stride(0), y.stride(0), dy.stride(0), BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     dh = grouped_mm(dy, w_down, offs=ends)
     if gated:
         da1 = torch.empty_like(a1)
         glu_bwd(dh, a1[:, :ffn], a1[:, ffn:], act, da1[:, :ffn], da1[:, ffn:])
     else:
         da1 = (dh.float() * _act_grad(act, a1)).to(x.dtype)
-    dx = dweight = dw_gate_up = dw_down = None
-    if needs[0]:
-        dx = combine(grouped_mm(da1, w_gate_up, offs=ends), routing, _inverse(routing), tokens, False, x.dtype)
+    slices = [da1] if len(ups) == 1 else [da1[:, :ffn], da1[:, ffn:]]
+    dx = dweight = None
+    if needs[0] or (scale_input and needs[1]):
+        d_rows = grouped_mm(slices[0], ups[0], offs=ends)
+        for part, u in zip(slices[1:], ups[1:]):
+            d_rows = d_rows + grouped_mm(part, u, offs=ends)
+        if scale_input:  # d weight = <d rows, x[token]>
+            dw_rows = (d_rows.float() * x[routing.token.long()].float()).sum(1)
+        if needs[0]:
+            dx = combine(d_rows, routing, _inverse(routing), tokens, scale_input, x.dtype)
     if needs[1]:
         flat = torch.empty(rows, dtype=torch.float32, device=x.device)
-        flat[routing.perm.long()] = dw_rows
+        flat[routing.perm.long()] = torch.where(valid, dw_rows, 0.0)
         dweight = flat.view(tokens, routing.top_k)
-    if needs[2]:
-        dw_gate_up = grouped_mm(da1.t(), x[routing.token.long()], offs=ends)  # rows past the groups: not read
-    if needs[3]:
-        dw_down = grouped_mm(dy.t(), h, offs=ends)
-    return dx, dweight, dw_gate_up, dw_down
+    d_ups = [None] * len(ups)
+    if any(needs[2:2 + len(ups)]):
+        inputs = _rows(x, routing, scale_input)  # rows past the groups are not read
+        d_ups = [grouped_mm(part.t(), inputs, offs=ends) if need else None
+                 for part, need in zip(slices, needs[2:2 + len(ups)])]
+    dw_down = grouped_mm(dy.t(), h, offs=ends) if needs[-1] else None
+    return dx, dweight, d_ups, dw_down

@@ -6,12 +6,20 @@
         y = grouped_mm(h, w_down^T, offs) * weight.view(-1)[perm, None]
         out = y[inverse(perm)].view(T, k, D).sum(1).to(x.dtype)
       (bf16: aten._grouped_mm; other dtypes: HF's transformers::grouped_mm_fallback op)
+    before (torchtitan's MoE, its grouped_mm path without padding):
+        perm = argsort(index.view(-1)); rows = torch.gather(x, 0, (perm // k).view(-1, 1).expand(-1, D))
+        [rows = (rows.float() * weight.view(-1)[perm].view(-1, 1)).to(x.dtype)]        (score before)
+        h = silu(grouped_mm(rows, w1^T)) * grouped_mm(rows, w3^T); y = grouped_mm(h, w2^T)
+        [y = (y.float() * weight.view(-1)[perm].view(-1, 1)).to(x.dtype)]              (score after)
+        out = (shared(x) or zeros_like(x)).scatter_add(0, token index, y)
     before (experts_implementation="batched_mm"):
         rows = x.repeat_interleave(k);  a = bmm(w_gate_up[index.view(-1)], rows[..., None]) ...
         out = (y * weight.view(-1, 1)).view(T, k, D).sum(1)
     after:
         out = fusion.moe_experts(x, index, weight, [w_gate_up, w_down], layout, act, impl)[0]
 
+With the weight on the experts' input the op runs `scale_input` (grouped_mm path only). A shared
+expert's output that the routed rows are scattered into is added to the op's output.
 The router (linear, softmax or sigmoid, top-k, renormalisation) stays in the graph, where Inductor
 fuses it; its top-k indices and weights are the op's inputs, so aux losses on the router logits are
 untouched. Gated (SwiGLU / GeGLU) and ungated experts; weights stored [E, 2F, D] or transposed.
@@ -60,6 +68,8 @@ class Experts:
     out: fx.Node  # the node the op's output replaces
     views: list  # shapes of the views between the experts' sum and `out`
     spelling: str
+    base: fx.Node | None = None  # what the experts' sum is added to (a shared expert's output), if anything
+    scale_input: bool = False  # the routing weight scales the experts' input (torchtitan), not their output
 
 
 def _call(node, *targets) -> bool:
@@ -118,19 +128,21 @@ def _halves(a, b):
     return source
 
 
-def _expert_mlp(h) -> tuple[fx.Node, str, bool] | None:
-    """(the up projection node, act, gated) of h = act(gate) * up or act(up), with gate/up the halves
-    of the up projection's output."""
+def _expert_mlp(h) -> tuple[list, str, bool] | None:
+    """([the up projection node(s)], act, gated) of h = act(gate) * up or act(up): gate and up the
+    halves of one product's output, or two products (gate first)."""
     if _call(h, aten.mul.Tensor):
         for a, b in (h.args[:2], h.args[1::-1]):
             found = _activation(a)
             if found is not None:
                 source = _halves(found[1], b)
                 if source is not None:
-                    return source, found[0], True
+                    return [source], found[0], True
+                if _grouped(found[1]) and _grouped(b):
+                    return [found[1], b], found[0], True
         return None
     found = _activation(h)
-    return (found[1], found[0], False) if found else None
+    return ([found[1]], found[0], False) if found else None
 
 
 def _stored(b) -> tuple[fx.Node, bool] | None:
@@ -148,13 +160,44 @@ def _flat(node) -> fx.Node | None:
     return None
 
 
+def _expanded_token(index) -> fx.Node | None:
+    """token for index = token.view(-1, 1).expand(-1, D) (a gather's or scatter's row index)."""
+    if _call(index, aten.expand.default):
+        column = index.args[0]
+        if _call(column, *_VIEWS) and list(val(column).shape)[1:] == [1]:
+            return column.args[0]
+    return None
+
+
+def _gathered_token(rows) -> tuple[fx.Node, fx.Node] | None:
+    """(x, token) for rows = x[token] or torch.gather(x, 0, token.view(-1, 1).expand(-1, D))."""
+    if _call(rows, aten.index.Tensor) and len(rows.args[1]) == 1:
+        return rows.args[0], rows.args[1][0]
+    if _call(rows, aten.gather.default) and rows.args[1] == 0 and _expanded_token(rows.args[2]) is not None:
+        return rows.args[0], _expanded_token(rows.args[2])
+    return None
+
+
+def _scaled_rows(rows) -> tuple[fx.Node, fx.Node] | None:
+    """(unscaled rows, the flat-weight gather node) for (rows.float() * weight.view(-1)[perm].view(-1, 1))
+    cast back: the routing weight applied to the experts' input."""
+    if not (is_float_cast(rows) and _call(rows.args[0], aten.mul.Tensor)):
+        return None
+    for a, b in (rows.args[0].args[:2], rows.args[0].args[1::-1]):
+        scale = b.args[0] if _call(b, *_VIEWS, aten.unsqueeze.default) and val(b).dim() == 2 else None
+        if is_float_cast(a) and _call(scale, aten.index.Tensor):
+            return a.args[0], scale
+    return None
+
+
 def _sorted_dispatch(rows, offs) -> tuple | None:
     """(x, index [T, k], perm, k) for rows = x[perm // k] with perm sorting index.view(-1) and offs
     its cumulative per-expert counts."""
     rows = _through(rows, (aten._to_copy.default,))
-    if not (_call(rows, aten.index.Tensor) and len(rows.args[1]) == 1):
+    found = _gathered_token(rows)
+    if found is None:
         return None
-    x, (token,) = rows.args[0], rows.args[1]
+    x, token = found
     if not (_call(token, aten.floor_divide.default, aten.div.Tensor_mode) and isinstance(token.args[1], int)):
         return None
     perm, k = token.args[0], token.args[1]
@@ -165,14 +208,18 @@ def _sorted_dispatch(rows, offs) -> tuple | None:
     index = _flat(sort.args[0])
     if index is None or val(index).shape[1] != k or val(x).dim() != 2:
         return None
-    # offs = cumsum(histc(sorted ids, bins=E, min=0, max=E-1)) or cumsum(bincount(sorted ids))
+    # offs = cumsum(histc(ids, bins=E, min=0, max=E-1 or E)) or cumsum(bincount(ids)), ids sorted or not
     if not _call(offs, aten.cumsum.default):
         return None
     counts = offs.args[0]
     source = _through(counts.args[0], (aten._to_copy.default,)) if _call(
         counts, aten.histc.default, aten.bincount.default) else None
-    if not (_call(source, operator.getitem) and source.args[0] is sort and source.args[1] == 0):
+    sorted_ids = _call(source, operator.getitem) and source.args[0] is sort and source.args[1] == 0
+    if not (sorted_ids or _flat(source) is index):
         return None
+    if counts.target is aten.histc.default and (list(counts.args[2:4]) not in ([0, counts.args[1] - 1],
+                                                                               [0, counts.args[1]])):
+        return None  # bins other than one per expert id
     return x, index, perm, k
 
 
@@ -243,30 +290,78 @@ def _grouped_spelling(down: fx.Node) -> Experts | str | None:
     if stored_down is None or mlp is None:
         return None
     experts, sorts = val(stored_down[0]).shape[0], []
-    source, act, gated = mlp
-    up = _unmask(source, experts, sorts)
-    if not (_grouped(up) and up.args[2] is offs):
+    sources, act, gated = mlp
+    ups = [_unmask(source, experts, sorts) for source in sources]
+    rows = ups[0].args[0] if _grouped(ups[0]) else None
+    if not all(_grouped(up) and up.args[2] is offs and up.args[0] is rows for up in ups):
         return None
-    stored_up = _stored(up.args[1])
-    dispatch = _sorted_dispatch(_unmask(up.args[0], experts, sorts), offs)
-    if stored_up is None or dispatch is None:
+    stored_ups = [_stored(up.args[1]) for up in ups]
+    rows = _unmask(rows, experts, sorts)
+    scaled = _scaled_rows(rows)
+    dispatch = _sorted_dispatch(scaled[0] if scaled else rows, offs)
+    if any(st is None for st in stored_ups) or dispatch is None:
         return None
     x, index, perm, k = dispatch
-    combine = _sorted_combine(down, perm, k, experts, sorts)
-    if combine is None or combine[1] is None or any(sort is not perm.args[0] for sort in sorts):
+    spelling = "torchtitan (gather, scatter_add)"
+    if scaled:
+        combine = _scattered_combine(down, perm, rows_scaled=True)
+        flat = scaled[1]
+        if combine is None or combine[0] is not None or flat.args[1] != [perm] or _flat(flat.args[0]) is None:
+            return None
+        weight, (_, total, base) = _flat(flat.args[0]), combine
+    else:
+        combine = _sorted_combine(down, perm, k, experts, sorts)
+        if combine is not None:
+            spelling = "grouped_mm"
+        else:
+            combine = _scattered_combine(down, perm, rows_scaled=False)
+        if combine is None or combine[1] is None or combine[0] is None:
+            return None
+        weight, total, base = (*combine, None)[:3]
+    if any(sort is not perm.args[0] for sort in sorts):
         return None
-    weight, total = combine
-    if stored_up[1] != stored_down[1]:
+    if len({st[1] for st in stored_ups} | {stored_down[1]}) != 1:
         return "gate/up and down weights are stored in different orientations"
-    return _experts(x, index, weight, [stored_up[0], stored_down[0]], gated, stored_up[1], act, total, "grouped_mm")
+    layout = ("gate_up" if gated else "up") if len(ups) == 1 else "separate"
+    return _experts(x, index, weight, [st[0] for st in stored_ups] + [stored_down[0]], layout, stored_down[1], act,
+                    total, spelling, base=base, scale_input=bool(scaled))
 
 
-def _experts(x, index, weight, weights, gated, transposed, act, total, spelling) -> Experts | str:
+def _scattered_combine(y, perm, rows_scaled: bool) -> tuple | None:
+    """(weight [T, k] or None, the scatter_add, its base or None) for torchtitan's combine:
+    base.scatter_add(0, token.view(-1, 1).expand(-1, D), rows), the rows being y (cast back to x's
+    dtype) when the weight scaled the input, else (y.float() * weight.view(-1)[perm].view(-1, 1))
+    cast back; base = zeros_like(x) (no base) or a shared expert's output."""
+    node, weight = _single_user(y), None
+    if is_float_cast(node):  # y.type_as(x) / y.to(float32)
+        nxt = _single_user(node)
+        if not rows_scaled and _call(nxt, aten.mul.Tensor):
+            scale = nxt.args[1] if nxt.args[0] is node else nxt.args[0]
+            scale = scale.args[0] if _call(scale, *_VIEWS) and val(scale).dim() == 2 else None
+            if not (_call(scale, aten.index.Tensor) and scale.args[1] == [perm]) or not is_float_cast(
+                    _single_user(nxt)):
+                return None
+            weight, node, nxt = _flat(scale.args[0]), _single_user(nxt), _single_user(_single_user(nxt))
+        y, node = node, nxt
+    elif not rows_scaled:
+        return None
+    scatter = node
+    if not (_call(scatter, aten.scatter_add.default) and scatter.args[1] == 0 and scatter.args[3] is y):
+        return None
+    token = _expanded_token(scatter.args[2])
+    if not (_call(token, aten.floor_divide.default, aten.div.Tensor_mode) and token.args[0] is perm):
+        return None
+    base = scatter.args[0]
+    return weight, scatter, (None if _call(base, aten.zeros_like.default) else base)
+
+
+def _experts(x, index, weight, weights, layout, transposed, act, total, spelling, base=None,
+             scale_input=False) -> Experts | str:
     ending = _ending(total, x)
     if isinstance(ending, str):
         return ending
-    layout = ("gate_up" if gated else "up") + ("_t" if transposed else "")
-    return Experts(x, index, weight, weights, layout, act, ending[0], ending[1], spelling)
+    return Experts(x, index, weight, weights, layout + ("_t" if transposed else ""), act, ending[0], ending[1], spelling,
+                   base, scale_input)
 
 
 # --- batched_mm spelling -------------------------------------------------------------------------------
@@ -317,8 +412,8 @@ def _batched_spelling(squeeze: fx.Node) -> Experts | str | None:
     index = _flat(flat)
     if w_down is None or mlp is None or index is None:
         return None
-    up_node, act, gated = mlp
-    up = _batched_product(up_node)
+    up_nodes, act, gated = mlp
+    up = _batched_product(up_nodes[0]) if len(up_nodes) == 1 else None
     if up is None:
         return None
     w_up = _gathered_weight(up[0], ids)
@@ -333,7 +428,7 @@ def _batched_spelling(squeeze: fx.Node) -> Experts | str | None:
     total = _slot_sum(_single_user(mul), k)
     if weight is None or total is None:
         return None
-    return _experts(x, index, weight, [w_up, w_down], gated, False, act, total, "batched_mm")
+    return _experts(x, index, weight, [w_up, w_down], "gate_up" if gated else "up", False, act, total, "batched_mm")
 
 
 # --- the pass -------------------------------------------------------------------------------------------
@@ -348,7 +443,7 @@ def find(node: fx.Node) -> Experts | str | None:
 
 def _region(ex: Experts) -> set:
     """The nodes computing ex.out from its inputs (they die when ex.out is replaced)."""
-    stop = {ex.x, ex.index, ex.weight, *ex.weights}
+    stop = {ex.x, ex.index, ex.weight, *ex.weights} | ({ex.base} if ex.base is not None else set())
     region, todo = set(), [ex.out]
     while todo:
         node = todo.pop()
@@ -457,10 +552,13 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
     ctx = cost.CostContext(cost.profile_for(x.device, config.device_profile), config.baseline, training,
                            config.prefer_memory)
     options = {}
-    if can_launch(x.device) is None:
+    if can_launch(x.device) is None and not ex.scale_input:  # the Triton kernels weight the output
         options["triton"] = cost.estimate_moe(_shape(ex), "triton", ctx)
     if _grouped_mm_runs(ex):
         options["grouped_mm"] = cost.estimate_moe(_shape(ex), "grouped_mm", ctx)
+    if not options:
+        return _row(gid, ex, "rejected", "the routing weight scales the experts' input: grouped_mm path only, and "
+                    "grouped_mm cannot run these operands (bf16 on CUDA, 16-byte aligned strides)"), 0
     impl = config.moe_impl if config.moe_impl in options else min(options, key=lambda i: options[i].ours_s)
     estimate = options[impl]
     others = "; ".join(f"{name}: est. {e.ours_s * 1e6:.1f} us" for name, e in options.items() if name != impl)
@@ -478,24 +576,29 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
 def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
     graph = gm.graph
     x = val(ex.x)
-    args = (ex.x, ex.index, ex.weight, list(ex.weights), ex.layout, ex.act, impl)
+    args = (ex.x, ex.index, ex.weight, list(ex.weights), ex.layout, ex.act, impl, ex.scale_input)
     with graph.inserting_before(ex.out):
         call = graph.call_function(torch.ops.fusion.moe_experts.default, args)
         out = graph.call_function(operator.getitem, (call, 0))
         nodes = [call, out]
+        if ex.base is not None:  # the shared expert's output the experts were scattered into
+            out = graph.call_function(aten.add.Tensor, (ex.base, out))
+            nodes.append(out)
         for shape in ex.views:
             out = graph.call_function(aten.view.default, (out, shape))
             nodes.append(out)
     w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
     rows, ffn = val(ex.index).numel(), w_gate.shape[1]
     index = val(ex.index)
-    y_shape = (rows, x.shape[1]) if impl == "grouped_mm" else (0,)
+    y_shape = (rows, x.shape[1]) if impl == "grouped_mm" and not ex.scale_input else (0,)
     call.meta["val"] = (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
                         x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
                         index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
     current = call.meta["val"][0]
     nodes[1].meta["val"] = current
-    for node, shape in zip(nodes[2:], ex.views):
+    if ex.base is not None:
+        nodes[2].meta["val"] = current = current + val(ex.base)
+    for node, shape in zip(nodes[3 if ex.base is not None else 2:], ex.views):
         current = current.view(shape)
         node.meta["val"] = current
     for node in nodes:

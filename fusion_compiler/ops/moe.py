@@ -1,7 +1,9 @@
 """The routed-experts op (kernels in codegen/moe.py and codegen/moe_grouped_mm.py).
 
-    fusion::moe_experts(x, index, weight, weights, layout, act, impl) -> (out, a1, h, y, perm, offsets)
-        out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) for x [T, D], index / weight [T, k];
+    fusion::moe_experts(x, index, weight, weights, layout, act, impl, scale_input=False)
+                                                                   -> (out, a1, h, y, perm, offsets)
+        out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) for x [T, D], index / weight [T, k]
+        (scale_input: sum_j expert_{index[t, j]}(weight[t, j] * x[t]), torchtitan's score-before-experts);
         an expert is down(act(gate(x)) * up(x)) (gated) or down(act(up(x))).
         a1, h, y, perm, offsets are what the backward reads (pre-activations, activations, the down
         projection's rows on the grouped_mm path (empty on Triton's), the sort).
@@ -68,27 +70,36 @@ def check(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layou
         raise ValueError("fusion::moe_experts: expert weights must have x's dtype and index an integer dtype")
 
 
+def _ups(layout: str, weights: list[Tensor]) -> list[Tensor]:
+    """The first projection's weights as grouped_mm reads them, [E, N, D] each: [gate; up] in one tensor,
+    gate and up apart, or up alone (one per stored weight but the last, the down projection)."""
+    _, transposed = parse_layout(layout)
+    return [w.transpose(1, 2) if transposed else w for w in weights[:-1]]
+
+
 def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> str:
     """The path that runs: "grouped_mm" when asked for and the operands allow it, else "triton"."""
-    base, transposed = parse_layout(layout)
-    if impl == "grouped_mm" and base in ("gate_up", "up"):
-        w_first = weights[0].transpose(1, 2) if transposed else weights[0]
-        w_down = weights[1].transpose(1, 2) if transposed else weights[1]
-        if moe_grouped_mm.supports(x, w_first, w_down) is None:
+    base, _ = parse_layout(layout)
+    if impl == "grouped_mm" and base != "gate_up_interleaved":
+        w_down = views(layout, weights)[2]
+        if all(moe_grouped_mm.supports(x, up, w_down) is None for up in _ups(layout, weights)):
             return "grouped_mm"
     return "triton"
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str,
-                impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                impl: str, scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
     gated = w_up is not None
-    if resolve_impl(impl, x, layout, weights) == "grouped_mm":
-        first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
-        out, a1, h, y = moe_grouped_mm.forward(x, routing, first, w_down, act, gated)
+    path = resolve_impl(impl, x, layout, weights)
+    if scale_input and path != "grouped_mm":
+        raise ValueError("fusion::moe_experts: scale_input (routing weights on the experts' input) runs on the "
+                         "grouped_mm path only: bf16 on CUDA, 16-byte aligned, gate and up not interleaved")
+    if path == "grouped_mm":
+        out, a1, h, y = moe_grouped_mm.forward(x, routing, _ups(layout, weights), w_down, act, gated, scale_input)
     else:
         out, a1, h = kernels.forward(x, routing, w_gate, w_up, w_down, act, gated)
         y = x.new_empty(0)
@@ -96,10 +107,11 @@ def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor],
 
 
 @moe_experts.register_fake
-def _(x, index, weight, weights, layout, act, impl):
+def _(x, index, weight, weights, layout, act, impl, scale_input=False):
     w_gate, w_up, w_down = views(layout, weights)
     rows, ffn = index.numel(), w_gate.shape[1]
-    y_shape = (rows, x.shape[1]) if resolve_impl(impl, x, layout, weights) == "grouped_mm" else (0,)
+    saves_y = resolve_impl(impl, x, layout, weights) == "grouped_mm" and not scale_input
+    y_shape = (rows, x.shape[1]) if saves_y else (0,)
     return (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
             x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
             index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
@@ -108,17 +120,16 @@ def _(x, index, weight, weights, layout, act, impl):
 @torch.library.custom_op("fusion::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, h: Tensor,
                          y: Tensor, perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
-                         needs: list[bool]) -> list[Tensor]:
+                         needs: list[bool], scale_input: bool = False) -> list[Tensor]:
     """[dx, d weight, d weights...] (empty where `needs` (x, weight, each of weights) says no)."""
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.rebuild(perm, offsets, weight)
     gated = w_up is not None
     if resolve_impl(impl, x, layout, weights) == "grouped_mm":
-        first = weights[0].transpose(1, 2) if parse_layout(layout)[1] else weights[0]
-        dx, dweight, d_first, d_down = moe_grouped_mm.backward(dout, x, routing, first, w_down, a1, h, y, act, gated,
-                                                                (needs[0], needs[1], needs[2], needs[3]))
+        dx, dweight, d_ups, d_down = moe_grouped_mm.backward(dout, x, routing, _ups(layout, weights), w_down, a1, h,
+                                                              y, act, gated, scale_input, tuple(needs))
         transposed = parse_layout(layout)[1]
-        dws = [None if d is None else (d.transpose(1, 2) if transposed else d) for d in (d_first, d_down)]
+        dws = [None if d is None else (d.transpose(1, 2) if transposed else d) for d in (*d_ups, d_down)]
     else:
         dws = [torch.empty_like(w) if need else None for w, need in zip(weights, needs[2:])]
         outs = views(layout, [d if d is not None else w for d, w in zip(dws, weights)])
@@ -137,16 +148,16 @@ def _wanted(layout: str, view_index: int, needs: list[bool]) -> bool:
 
 
 @moe_experts_backward.register_fake
-def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs):
+def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs, scale_input=False):
     shapes = [x.shape, weight.shape] + [w.shape for w in weights]
     dtypes = [x.dtype, weight.dtype] + [w.dtype for w in weights]
     return [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
 
 
 def _setup(ctx, inputs, output):
-    x, index, weight, weights, layout, act, impl = inputs
+    x, index, weight, weights, layout, act, impl, *rest = inputs
     out, a1, h, y, perm, offsets = output
-    ctx.layout, ctx.act, ctx.impl = layout, act, impl
+    ctx.layout, ctx.act, ctx.impl, ctx.scale_input = layout, act, impl, bool(rest and rest[0])
     ctx.weight_needs = [w.requires_grad for w in weights]
     ctx.save_for_backward(x, weight, a1, h, y, perm, offsets, *weights)
 
@@ -155,9 +166,10 @@ def _grad(ctx, dout, *unused):
     x, weight, a1, h, y, perm, offsets, *weights = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]] + ctx.weight_needs
     grads = moe_experts_backward(dout, x, weight, weights, a1, h, y, perm, offsets, ctx.layout, ctx.act, ctx.impl,
-                                 needs)
+                                 needs, ctx.scale_input)
     dx, dweight, *dws = [g if need else None for g, need in zip(grads, needs)]
-    return dx, None, dweight, dws, None, None, None
+    # layout, act, impl and scale_input get no gradient (one None per argument the caller passed)
+    return (dx, None, dweight, dws) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 moe_experts.register_autograd(_grad, setup_context=_setup)

@@ -15,8 +15,9 @@ ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
         "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
 
 
-def reference(x, index, weight, weights, layout, act):
-    """out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]), one token and slot at a time."""
+def reference(x, index, weight, weights, layout, act, scale_input=False):
+    """out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) (or expert(weight[t, j] * x[t])), one
+    token and slot at a time."""
     w_gate, w_up, w_down = op.views(layout, weights)
     rows = []
     for t in range(x.shape[0]):
@@ -25,10 +26,11 @@ def reference(x, index, weight, weights, layout, act):
             e = int(index[t, j])
             if not 0 <= e < w_gate.shape[0]:
                 continue  # out of range: contributes nothing
-            h = ACTS[act](w_gate[e] @ x[t])
+            xin = weight[t, j] * x[t] if scale_input else x[t]
+            h = ACTS[act](w_gate[e] @ xin)
             if w_up is not None:
-                h = h * (w_up[e] @ x[t])
-            acc = acc + weight[t, j] * (w_down[e] @ h)
+                h = h * (w_up[e] @ xin)
+            acc = acc + (w_down[e] @ h if scale_input else weight[t, j] * (w_down[e] @ h))
         rows.append(acc)
     return torch.stack(rows)
 
@@ -51,16 +53,17 @@ def routing(tokens: int, experts: int, top_k: int, empty_expert: bool = True):
     return index, weight / weight.sum(-1, keepdim=True)
 
 
-def check(layout, act, impl, dtype, tokens=13, width=24, ffn=20, experts=5, top_k=2, index=None, weight=None):
+def check(layout, act, impl, dtype, tokens=13, width=24, ffn=20, experts=5, top_k=2, index=None, weight=None,
+          scale_input=False):
     x = torch.randn(tokens, width, dtype=dtype)
     if index is None:
         index, weight = routing(tokens, experts, top_k)
     ws = stored(layout, experts, width, ffn, dtype)
     leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()] + [w.clone().requires_grad_() for w in ws]
-    outs = torch.ops.fusion.moe_experts(leaves[0], index, leaves[1], leaves[2:], layout, act, impl)
+    outs = torch.ops.fusion.moe_experts(leaves[0], index, leaves[1], leaves[2:], layout, act, impl, scale_input)
     out = outs[0]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = reference(ref_leaves[0], index, ref_leaves[1], ref_leaves[2:], layout, act)
+    ref = reference(ref_leaves[0], index, ref_leaves[1], ref_leaves[2:], layout, act, scale_input)
     dout = torch.randn_like(ref)
     grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
@@ -102,7 +105,8 @@ def test_grouped_mm_path_is_taken_where_it_can_run_and_triton_otherwise():
     x, w13, wd = torch.randn(4, 24), torch.randn(3, 40, 24), torch.randn(3, 24, 20)
     assert op.resolve_impl("grouped_mm", x, "gate_up", [w13, wd]) == "grouped_mm"
     assert op.resolve_impl("triton", x, "gate_up", [w13, wd]) == "triton"
-    assert op.resolve_impl("grouped_mm", x, "separate", [w13[:, :20], w13[:, 20:], wd]) == "triton"
+    assert op.resolve_impl("grouped_mm", x, "separate", [w13[:, :20], w13[:, 20:], wd]) == "grouped_mm"
+    assert op.resolve_impl("grouped_mm", x, "gate_up_interleaved", [w13, wd]) == "triton"
     odd = torch.randn(4, 23)  # a 92-byte row: not 16-byte aligned
     assert op.resolve_impl("grouped_mm", odd, "gate_up", [torch.randn(3, 40, 23), torch.randn(3, 23, 20)]) == "triton"
     outs = check("gate_up", "silu", "grouped_mm", torch.float32)
@@ -125,6 +129,20 @@ def test_out_of_range_expert_ids_contribute_nothing(impl):
     index, weight = routing(9, 4, 2)
     index[::3, 1] = 4
     check("gate_up", "silu", impl, torch.float32, tokens=9, experts=4, index=index, weight=weight)
+
+
+@pytest.mark.parametrize("layout", ["gate_up", "separate_t", "up"])
+def test_routing_weights_on_the_experts_input(layout):
+    """torchtitan's score-before-experts: sum_j expert(weight * x), every gradient (grouped_mm path)."""
+    outs = check(layout, "silu", "grouped_mm", torch.float32, scale_input=True)
+    assert outs[3].numel() == 0  # no down-projection rows saved: the weights' gradient reads the input
+
+
+def test_routing_weights_on_the_input_need_the_grouped_mm_path():
+    x, (index, weight) = torch.randn(5, 24), routing(5, 3, 2)
+    w13, wd = torch.randn(3, 40, 24), torch.randn(3, 24, 20)
+    with pytest.raises(ValueError, match="grouped_mm path only"):
+        torch.ops.fusion.moe_experts(x, index, weight, [w13, wd], "gate_up_interleaved", "silu", "grouped_mm", True)
 
 
 def test_no_gradient_work_for_frozen_inputs():

@@ -1,5 +1,6 @@
 """MoE family through torch.compile: HF transformers' Mixtral sparse-MoE block in each experts spelling,
-and hand-written spellings (HF 5.17's sentinel masks, ungated GELU experts stored transposed), become
+and hand-written spellings (HF 5.17's sentinel masks, ungated GELU experts stored transposed,
+torchtitan's gather / scatter_add with the scores before or after the experts), become
 one fusion::moe_experts call; the output and every gradient (x, router, expert weights) match eager.
 
 fp32 regions are compared with float64 eager at 1e-5 (the router runs in the graph, as in eager, so
@@ -12,6 +13,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -180,6 +182,54 @@ def test_ungated_gelu_experts_stored_transposed(moe_impl):
                      moe_impl, tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"})
     [row] = _moe_rows(be)
     assert row.verdict == "applied" and "up_t, gelu" in row.reason
+
+
+class TitanStyle(torch.nn.Module):
+    """Routed experts in torchtitan's manner: a sigmoid router, argsort dispatch, torch.gather of the
+    token rows, the scores applied before (or after) the experts, separate w1 / w3 / w2 expert weights
+    through torch's grouped_mm, and a scatter_add combine into zeros or a shared expert's output."""
+
+    def __init__(self, score_before=True, shared=False, experts=EXPERTS, dim=HIDDEN, hidden=FFN, top_k=2):
+        super().__init__()
+        self.k, self.experts, self.score_before = top_k, experts, score_before
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+        self.shared = torch.nn.Linear(dim, dim, bias=False) if shared else None
+
+    def forward(self, x):
+        top, index = torch.sigmoid(self.router(x).float()).topk(self.k, dim=1)
+        counts = torch.histc(index.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+        perm = torch.argsort(index.view(-1), stable=True)
+        top_sorted = top.view(-1)[perm]
+        token = (perm // self.k).reshape(-1, 1).expand(-1, x.shape[1])
+        rows = torch.gather(x, 0, token)
+        if self.score_before:
+            rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets).type_as(x)
+        if not self.score_before:
+            out = (out.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        base = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        return base.scatter_add(0, token, out)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("score_before", [True, False])
+def test_torchtitan_spelling(score_before, shared):
+    """bf16 (torch's grouped_mm traces in bf16 only), against bf16 eager; the weights on the input run
+    on the grouped_mm path (scale_input), on the output the cost model may pick either."""
+    be = check_block(lambda: TitanStyle(score_before, shared).to(torch.bfloat16), torch.randn(9, HIDDEN,
+                     dtype=torch.bfloat16), tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"})
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and "torchtitan (gather, scatter_add) spelling, separate, silu" in row.reason
+    if score_before:
+        assert "impl grouped_mm" in row.reason
+    graph_ops = [str(n.target) for gm in be.rewritten for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("scatter_add" in t or "gather" in t or "sort" in t for t in graph_ops)
 
 
 class ReturnsActivations(GeluExpertsTransposed):
