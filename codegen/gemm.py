@@ -220,7 +220,9 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
         "    mask_m = rm < M",
         "    mask_n = rn < N",
         "    mask = mask_m[:, None] & mask_n[None, :]",
-        "    z = acc",
+    ] + ([  # the product rounded to its dtype first, as eager's (and Inductor's) matmul output is
+        f"    z = {_cast('acc', z_dtype)}.to(tl.float32)",
+    ] if z_dtype != torch.float32 else ["    z = acc"]) + [
         "    if STORE_Z:  # the product, for the backward (contiguous [batch, M, N])",
         f"        tl.store(Z + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('z', z_dtype)}, mask=mask)",
     ]

@@ -68,6 +68,19 @@ def test_chain_fused_bf16(name):
     check_rewrite(CHAINS[name], _inputs(torch.bfloat16), {"gemm_epilogue": 1}, dtype=torch.bfloat16, factor=2)
 
 
+def test_low_precision_product_is_rounded_before_the_chain():
+    """As eager's bf16 matmul output: a router's `(x @ w.t()).float()` fused stays on the bf16 grid (an
+    fp32 accumulator carried into the cast would round the logits differently and flip top-k picks)."""
+    def router(x, w):
+        return F.linear(x, w).float() * 1.0
+    x, w = torch.randn(37, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
+    be = fc.FusionBackend(ALWAYS)
+    out = torch.compile(router, backend=be)(x, w)
+    assert "fusion::gemm_epilogue" in fusion_ops(be) and out.dtype == torch.float32
+    assert torch.equal(out, out.to(torch.bfloat16).float())
+    assert (out - router(x, w)).abs().max() <= 2 ** -7 * router(x, w).abs().max()
+
+
 def test_bmm_and_matmul_spellings():
     def bmm_clamp(a, b):
         return torch.clamp(torch.bmm(a, b), -1.0, 1.0) * 2.0
