@@ -5,7 +5,7 @@
 Configs (../shared/anchors/): reference = 8 experts, top-2, hidden 2048, ffn 4096, 8192 tokens;
 fine = 128 experts, top-8, hidden 2048, ffn 768, 16384 tokens.
 Rows: hf_loop (experts_implementation="eager", eager; --loop, reference only), hf_grouped_mm (HF's
-default, eager), inductor (torch.compile of the default), fusion (backend="fusion": the cost model
+default, eager; `--spellings titan_before titan_after`: torchtitan's spelling instead, `TitanMoE`), inductor (torch.compile of the default), fusion (backend="fusion": the cost model
 decides), fusion_triton / fusion_grouped_mm (the rewrite forced, moe_impl fixed).
 GPU time is the profiler's kernel sum over a fwd+bwd; wall is do_bench's median of the same step;
 peak is the memory allocated during one step above what was allocated before it. Each compiled
@@ -27,6 +27,9 @@ CONFIGS = {"reference": dict(experts=8, top_k=2, hidden=2048, ffn=4096, tokens=8
 
 
 def block(cfg: dict, impl: str):
+    if impl.startswith("titan"):
+        torch.manual_seed(0)
+        return TitanMoE(cfg, impl == "titan_before").to("cuda", torch.bfloat16)
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     config = MixtralConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_local_experts=cfg["experts"],
@@ -38,6 +41,37 @@ def block(cfg: dict, impl: str):
         for p in m.parameters():
             p.normal_(0, cfg["hidden"] ** -0.5)
     return m
+
+
+class TitanMoE(torch.nn.Module):
+    """torchtitan's routed experts (without its padded dispatch): sigmoid router, argsort, torch.gather,
+    scores before (or after) the experts, w1 / w3 / w2 through torch._grouped_mm, scatter_add."""
+
+    def __init__(self, cfg: dict, score_before: bool):
+        super().__init__()
+        e, d, f = cfg["experts"], cfg["hidden"], cfg["ffn"]
+        self.k, self.experts, self.score_before = cfg["top_k"], e, score_before
+        self.router = torch.nn.Linear(d, e, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(e, f, d) * d ** -0.5) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(e, d, f) * f ** -0.5)
+
+    def forward(self, x):
+        x = x.view(-1, x.shape[-1])
+        top, index = torch.sigmoid(self.router(x).float()).topk(self.k, dim=1)
+        counts = torch.histc(index.view(-1), bins=self.experts, min=0, max=self.experts)
+        perm = torch.argsort(index.view(-1), stable=True)
+        top_sorted = top.view(-1)[perm]
+        token = (perm // self.k).reshape(-1, 1).expand(-1, x.shape[1])
+        rows = torch.gather(x, 0, token)
+        if self.score_before:
+            rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch.nn.functional.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets).type_as(x)
+        if not self.score_before:
+            out = (out.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        return torch.zeros_like(x).scatter_add(0, token, out).unsqueeze(0)
 
 
 def flops(cfg: dict) -> float:
@@ -99,20 +133,21 @@ def kernels_ms(step, top: int = 10) -> list:
     return [(e.key[:90], round(e.self_device_time_total / 5 / 1e3, 3)) for e in events]
 
 
-def run(names, loop: bool, impls, breakdown: bool = False) -> list[dict]:
+def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grouped_mm") -> list[dict]:
     rows = []
     for name in names:
         cfg = CONFIGS[name]
-        ref_block = block(cfg, "grouped_mm")
+        ref_block = block(cfg, spelling)
         x = torch.randn(1, cfg["tokens"], cfg["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn_like(x)
         ref = ref_block(x)
         ref_dx = torch.autograd.grad(ref, x, dout)[0]
-        variants = {"hf_grouped_mm": ("grouped_mm", None), "inductor": ("grouped_mm", "inductor")}
+        variants = {f"{'hf_' if spelling == 'grouped_mm' else ''}{spelling} (eager)": (spelling, None),
+                    "inductor": (spelling, "inductor")}
         if loop and name == "reference":
             variants["hf_loop"] = ("eager", None)
         for impl in impls:
-            variants[f"fusion_{impl}" if impl != "auto" else "fusion"] = ("grouped_mm", impl)
+            variants[f"fusion_{impl}" if impl != "auto" else "fusion"] = (spelling, impl)
         for label, (experts_impl, how) in variants.items():
             m = block(cfg, experts_impl)
             be = None
@@ -123,7 +158,7 @@ def run(names, loop: bool, impls, breakdown: bool = False) -> list[dict]:
                 be = fc.backend(moe_impl=how) if how == "auto" else \
                     fc.backend(moe_impl=how, cost_model="always", patterns={"moe_experts"})
                 m = torch.compile(m, backend=be, dynamic=False)
-            row = {"config": name, "impl": label}
+            row = {"config": name, "spelling": spelling, "impl": label}
             try:
                 out = m(x)
                 dx = torch.autograd.grad(out, x, dout)[0]
@@ -158,13 +193,16 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--loop", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="the 10 most expensive kernels of each row")
+    ap.add_argument("--spellings", nargs="+", default=["grouped_mm"],
+                    help="grouped_mm (HF's default), titan_before / titan_after (torchtitan's, scores before or after)")
     args = ap.parse_args()
     payload = {"env": env(), "configs": {n: CONFIGS[n] for n in args.configs}}
     if args.sweep:
         payload["sweep"] = sweep(CONFIGS["reference"])
-    payload["rows"] = run(args.configs, args.loop, args.impls, args.breakdown)
+    payload["rows"] = [row for spelling in args.spellings
+                       for row in run(args.configs, args.loop, args.impls, args.breakdown, spelling)]
     save(os.environ.get("BENCH_NAME", "moe.json"), payload)
-    print(table(payload["rows"], ["config", "impl", "gpu_ms", "wall_ms", "peak_gib", "tflops", "out_err", "dx_err",
+    print(table(payload["rows"], ["config", "spelling", "impl", "gpu_ms", "wall_ms", "peak_gib", "tflops", "out_err", "dx_err",
                                   "error"]))
 
 
