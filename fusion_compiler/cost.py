@@ -106,11 +106,13 @@ _MULTI_TENSOR_H200 = (0.96, 0.98, 0.92)
 _GEMM_H200 = (0.80, 0.98)
 _GEMM_BACKWARD_H200 = 1.2
 _GEMM_HANDOFF_H200 = 0.88
-# routed experts, bf16 fwd+bwd (benchmarks/runs/2026-12-03-h200-moe-4.json): the HF Mixtral block at
+# routed experts, bf16 fwd+bwd (benchmarks/runs/2026-12-03-h200-moe-3.json): the HF Mixtral block at
 # 8 experts / top-2 / 2048 / 4096 / 8192 tokens and 128 / top-8 / 2048 / 768 / 16384: our Triton grouped
 # GEMMs 383 and 360 TFLOP/s, torch's grouped_mm (CUTLASS) 700 and 608 of 790; Inductor's passes around
-# them 1.04 and 4.1 ms, ~1.7x their byte estimate at the copy rate (ours 0.61 and 2.1 ms, ~1.0x)
-_MOE_H200 = (0.47, 0.83, 1.7)
+# them 1.04 and 4.1 ms, ~1.7x their byte estimate at the copy rate (ours 0.61 and 2.1 ms, ~1.0x);
+# torchtitan's spelling at the first shape (runs/2026-12-03-h200-moe-titan.json): Inductor's passes
+# 0.70-0.78 ms, ~1.25x (ours, with gate/up apart and the weight on the input, 0.85 and 1.70 ms)
+_MOE_H200 = (0.47, 0.83, {"grouped_mm": 1.7, "batched_mm": 1.7, "torchtitan": 1.25})
 # benchmarks/runs/2026-12-03-h200-horizontal-1.json: one LlamaDecoderLayer (2048, 32/8 heads, ffn 8192,
 # 2 x 2048 tokens, bf16): Inductor 0.827 / 2.817 ms, concatenated 0.870 / 2.857 ms: slower
 _HORIZONTAL_H200 = (1.052, 1.014)
@@ -389,13 +391,17 @@ def estimate_gemm_epilogue(a, b, sides: list, shape, out, n_ops: int, save_produ
 
 
 def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
-    """Routed experts (shape: tokens, top_k, width, ffn, experts, gated, dtype) as fusion::moe_experts
-    with `impl` against the spelling's own graph under the baseline: both run the same FLOPs (two or
-    three grouped GEMMs forward, twice that backward); they differ in the GEMMs' efficiency and in the
-    passes around them. The spelling gathers the token rows into a permuted copy, runs the activation
-    as its own pass, then scales, un-permutes and sums the slots (and the mirror image backward); ours
-    (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
-    (output) and backward (input gradient); grouped_mm keeps the copies."""
+    """Routed experts (shape: tokens, top_k, width, ffn, experts, gated, dtype; and spelling,
+    separate: gate and up weights apart, scale_input: the routing weight on the experts' input) as
+    fusion::moe_experts with `impl` against the spelling's own graph under the baseline: both run the
+    same FLOPs (two or three grouped GEMMs forward, twice that backward); they differ in the GEMMs'
+    efficiency and in the passes around them. The spelling gathers the token rows into a permuted copy,
+    runs the activation as its own pass, then scales, un-permutes and sums the slots (and the mirror
+    image backward), at its measured factor over this byte count (DeviceProfile.moe, per spelling);
+    ours (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
+    (output) and backward (input gradient); grouped_mm keeps the copies, and with gate and up apart
+    concatenates them (and adds two input gradients), with the weight on the input scales the rows in
+    torch ops (forward, and again with the weights' gradient in the backward)."""
     p = ctx.profile
     rows, width, ffn = shape["tokens"] * shape["top_k"], shape["width"], shape["ffn"]
     b, g = torch.empty(0, dtype=shape["dtype"]).element_size(), 2 if shape["gated"] else 1
@@ -412,7 +418,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         base = flops / (p.matmul_flops * p.gemm[1]) + spelling / passes_bw
         return Estimate(base, base, gemm_io + spelling, gemm_io + spelling, ctx.baseline,
                         f"grouped GEMMs not measured on {p.name}: assumed equal to {ctx.baseline}")
-    triton_eff, gmm_eff, spelling_factor = p.moe
+    triton_eff, gmm_eff, factors = p.moe
+    spelling_factor = factors.get(shape.get("spelling", "grouped_mm"), factors["grouped_mm"])
     if ctx.baseline == "eager":
         spelling_factor *= 2  # one kernel per op, not Inductor's fused passes
     gmm_s = flops / (p.matmul_flops * gmm_eff)
@@ -422,6 +429,10 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         eff = triton_eff
     else:  # the spelling's passes less the separate scale, each one kernel of ours
         passes = spelling - rows * width * b
+        if shape.get("separate"):  # concatenated halves; a second input gradient added
+            passes += rows * 2 * ffn * b * 2 + (rows * width * b * 3 if ctx.training else 0)
+        if shape.get("scale_input"):  # rows scaled in fp32 (forward; backward: again, and the weights' dot)
+            passes += rows * width * 20 + (rows * width * 54 if ctx.training else 0)
         ours_bytes, ours, eff = gemm_io + passes, gmm_s + passes / passes_bw, gmm_eff
     return Estimate(ours, base, ours_bytes, gemm_io + spelling, ctx.baseline,
                     f"{flops / 1e9:.1f} GFLOP; grouped GEMMs at {eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "

@@ -503,7 +503,8 @@ def _shape(ex: Experts) -> dict:
     x, index = val(ex.x), val(ex.index)
     w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
     return dict(tokens=x.shape[0], top_k=index.shape[1], width=x.shape[1], ffn=w_gate.shape[1],
-                experts=w_gate.shape[0], gated=w_up is not None, dtype=x.dtype)
+                experts=w_gate.shape[0], gated=w_up is not None, dtype=x.dtype, spelling=ex.spelling.split(" ")[0],
+                separate=moe_op.parse_layout(ex.layout)[0] == "separate", scale_input=ex.scale_input)
 
 
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
