@@ -26,3 +26,9 @@ def test_demo_trains_and_prints_decisions():
     assert "18 candidates: 18 applied" in out
     assert "optimizer_adam             applied" in out
     assert "add_rms_norm      applied" in out and "glu_silu          rejected" in out
+
+
+def test_mixtral_example_fuses_every_layers_experts():
+    out = _run("train_mixtral.py", "--steps", "2")
+    assert "2 candidates: 2 applied" in out  # the small model's two MoE layers
+    assert "impl grouped_mm; fused kernel" in out and "vs inductor" in out  # the reference block, default config
