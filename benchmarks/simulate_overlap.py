@@ -1,6 +1,6 @@
 """Exposed communication before and after the overlap pass, estimated on the scheduled graphs.
 
-    python benchmarks/simulate_overlap.py [--ranks 2 4 8] [--tokens 4096]
+    python benchmarks/simulate_overlap.py [--ranks 2 4 8] [--tokens 4096] [--budgets 0.1 0.0]
 
 One decoder layer of the reference Llama (hidden 2048, 32 heads / 8 kv, ffn 8192, bf16, 2 x 2048
 tokens), fwd+bwd, compiled with backend="fusion" on the CPU inside a fake process group of N ranks
@@ -8,8 +8,11 @@ tokens), fwd+bwd, compiled with backend="fusion" on the CPU inside a fake proces
   tp    DTensor tensor parallel: q/k/v and gate/up colwise, o and down rowwise (all-reduces)
   fsdp  SimpleFSDP-style: every weight stored as a 1/N shard and all-gathered where it is used
         (all_gather_tensor_autograd: its backward is a reduce-scatter of the gradient)
-The pass's cost model (H100 + NVLink figures: overlap.H100_NVLINK) prices each collective and the
+The pass's cost model (H100 + NVLink figures: comm_cost.H100_NVLINK) prices each collective and the
 compute scheduled between its issue and its wait; exposed = max(0, comm - overlapped compute).
+fsdp is also run under memory budgets (`overlap_memory_budget`): the original order's estimated
+peak live bytes plus 10%, and that peak itself, since unbounded the pass gathers every weight of
+the layer at the start.
 Nothing here is timed: it is the estimate the pass decides with.
 """
 import argparse
@@ -62,14 +65,14 @@ def _tensor_parallel(layer, ranks):
     return parallelize_module(layer, mesh, plan)
 
 
-def simulate(layout, ranks, tokens):
+def simulate(layout, ranks, tokens, budget=None):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
     try:
         layer, rotary = _layer()
         layer = _tensor_parallel(layer, ranks) if layout == "tp" else _shard(layer, ranks)
         h = torch.randn(2, tokens // 2, 2048, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = rotary(h, torch.arange(tokens // 2)[None].expand(2, -1))
-        be = fc.backend()
+        be = fc.backend(overlap_memory_budget=budget)
         t = time.perf_counter()
         out = torch.compile(layer, backend=be, dynamic=False)(h, position_embeddings=(cos, sin))
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
@@ -78,7 +81,10 @@ def simulate(layout, ranks, tokens):
         comm = sum(e[1] for e in est)
         before, after = sum(e[2] for e in est), sum(e[3] for e in est)
         kinds = sorted({e[0] for e in est})
-        return dict(layout=layout, ranks=ranks, collectives=len(est), kinds=",".join(kinds),
+        peaks = be.overlap.peaks if be.overlap else [(0, 0)]
+        return dict(layout=layout + (f" (budget {budget / 2**20:.0f} MiB)" if budget else ""), ranks=ranks, collectives=len(est),
+                    kinds=",".join(kinds),
+                    peak_before_mib=round(max(p[0] for p in peaks) / 2**20), peak_after_mib=round(max(p[1] for p in peaks) / 2**20),
                     comm_us=round(comm * 1e6, 1), exposed_before_us=round(before * 1e6, 1),
                     exposed_after_us=round(after * 1e6, 1),
                     reduction=f"{(1 - after / before) * 100:.0f}%" if before else "-", compile_run_s=round(took, 1))
@@ -92,15 +98,21 @@ def main():
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--layouts", nargs="+", default=["tp", "fsdp"])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.0],
+                    help="fsdp also under memory budgets: the original order's peak x (1 + each)")
     a = ap.parse_args()
     rows = []
     for layout in a.layouts:
         for ranks in a.ranks:
             rows.append(simulate(layout, ranks, a.tokens))
             print(rows[-1], flush=True)
+            peak = rows[-1]["peak_before_mib"] * 2**20
+            for share in a.budgets if layout == "fsdp" else ():  # the original order's peak + a share
+                rows.append(simulate(layout, ranks, a.tokens, peak * (1 + share)))
+                print(rows[-1], flush=True)
     save("overlap_simulation.json", {"rows": rows, "link": "h100-nvlink 450 GB/s, 737 TFLOP/s, 3.0 TB/s"})
     print(table(rows, ["layout", "ranks", "collectives", "kinds", "comm_us", "exposed_before_us",
-                       "exposed_after_us", "reduction", "compile_run_s"]))
+                       "exposed_after_us", "reduction", "peak_before_mib", "peak_after_mib", "compile_run_s"]))
 
 
 if __name__ == "__main__":

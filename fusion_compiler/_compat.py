@@ -32,6 +32,13 @@ def size_hint(x, fallback: int = 4096) -> int:
     return int(hint) if hint is not None else fallback
 
 
+def sym_expr(x):
+    """The sympy expression of a possibly symbolic int, in the shape environment's symbols (a plain
+    int becomes a sympy Integer); adds no guard."""
+    import sympy
+    return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
+
+
 # ATen ops whose device-specific fused kernels we turn back into their reference decomposition, so
 # that one spelling matches on every device (F.rms_norm is one fused op on CUDA, five ops on CPU).
 # the function Dynamo records for a grad-mode change inside a graph (torch.optim's step, no_grad)
@@ -59,5 +66,6 @@ __all__ = [
     "scaled_mm",
     "set_grad_enabled",
     "size_hint",
+    "sym_expr",
     "tracing",
 ]

@@ -1,59 +1,42 @@
-"""Collective-overlap scheduling: a post-grad pass that issues each collective early and waits late.
+"""Collective-overlap scheduling: a post-grad pass that hides communication behind compute.
 
 In the post-grad graph Inductor hands its custom passes, functional collectives appear as
-`_c10d_functional.<collective>` (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, its
-in-place all_reduce_ (DTensor), all_to_all_single) followed by `wait_tensor` on the result. Communication between the two runs
-while the device computes, so compute placed between them hides it. The pass re-orders the graph
-by list scheduling:
-  1. a collective is issued as soon as its inputs are computed, and what it needs is computed
-     first (unless that would raise the estimated live memory above the budget: then both keep
-     their original places);
-  2. otherwise the earliest (original order) ready compute node runs;
-  3. a wait runs only when nothing else can: right before the first node that needs it.
-Before scheduling, all-gather -> matmul and matmul -> all-reduce / reduce-scatter (tensor and
-sequence parallel layers) are split into chunks when the cost model says the pipeline pays, so
-that one chunk's communication overlaps the next chunk's matmul (micro-pipelining).
-The new order is kept unless the estimated exposed time of the graph goes up. Every
-collective gets a decision row (applied when its own exposed time goes down): how many nodes moved, the communication estimate (bytes over
-the link bandwidth), the compute placed between issue and wait (FLOPs at the matmul rate, bytes at
-the memory bandwidth) and the exposed time before and after.
+`_c10d_functional.<collective>` followed by `wait_tensor` on the result (patterns/collectives.py).
+Communication between the two runs while the device computes, so compute placed between them hides
+it. On each graph that holds a collective the pass
+  1. splits all-gather -> matmul and matmul -> all-reduce / reduce-scatter into chunked pipelines
+     where the cost model says the pipeline pays (patterns/collectives.py);
+  2. re-orders by list scheduling over the graph's dependencies (a networkx DiGraph of the data
+     edges and of the order an in-place write imposes):
+       a collective is issued as soon as its inputs are computed, and what it needs is computed
+       first, unless that would raise the estimated live memory above the budget;
+       otherwise the earliest (original order) ready compute node runs;
+       a wait runs only when nothing else can, right before the first node that needs it, or
+       earlier when the next node would pass the budget (a wait releases its collective's inputs);
+  3. decides each move by the cost model (fusion_compiler/comm_cost.py): a collective whose move
+     does not lower its estimated exposed time (communication minus the compute between its issue
+     and its wait) is put back in the graph's order (a move that hides nothing only holds memory
+     longer), and the graph is scheduled again. The new order is kept unless the graph's total
+     exposed time goes up.
+Each collective gets a decision row: the move (nodes issued earlier, wait later), the communication
+estimate, exposed time before -> after, the estimated peak memory before -> after, for one that
+stays exposed the compute that could hide it at most (what neither feeds it nor needs its wait),
+and with dynamic shapes the estimate as a formula in the shape symbols and whether the move pays
+at every size (sympy) or only at the traced one.
 """
 import dataclasses
 import math
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
-from . import _compat
+from fusion_compiler.patterns import collectives
+
+from . import _compat, comm_cost
+from .comm_cost import H100_NVLINK, Costs, LinkProfile
 from .cost import nbytes
 from .decisions import Decision, location
-
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "all_to_all_single")
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkProfile:
-    """What the estimate assumes: per-rank link bandwidth, matmul rate, memory bandwidth."""
-    name: str
-    link_bytes_s: float
-    matmul_flops: float
-    memory_bytes_s: float
-
-
-# H100 SXM: NVLink 4 (~450 GB/s per direction usable for ring collectives), bf16 dense, HBM3 copy
-H100_NVLINK = LinkProfile("h100-nvlink", 450e9, 737e12, 3.0e12)
-
-
-def _name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
-
-
-def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and "_c10d_functional" in str(node.target) and _name(node) in COLLECTIVES
-
-
-def is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and "_c10d_functional" in str(node.target) and _name(node) == "wait_tensor"
 
 
 def _bytes(node: fx.Node) -> int:
@@ -62,55 +45,14 @@ def _bytes(node: fx.Node) -> int:
     return sum(_compat.size_hint(nbytes(t)) for t in (v if isinstance(v, (list, tuple)) else [v]))
 
 
-def comm_seconds(node: fx.Node, world: int, link: LinkProfile) -> float:
-    """Ring estimate: all-gather / reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce
-    twice that, all-to-all (n-1)/n of its input."""
-    full = max(_bytes(node), sum(_bytes(a) for a in node.all_input_nodes))
-    factor = (world - 1) / world * (2 if _name(node).startswith("all_reduce") else 1)
-    return full * factor / link.link_bytes_s
-
-
-def compute_seconds(node: fx.Node, link: LinkProfile) -> float:
-    """A node's time alone: matmul FLOPs at the matmul rate, else bytes in and out at the bandwidth."""
-    if node.op != "call_function" or is_collective(node) or is_wait(node):
-        return 0.0
-    products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-    if node.target in products or node.target is torch.ops.fusion.gemm_epilogue.default:
-        # operands: the last two of mm/addmm/bmm; (epilogue, a, b, ...) of the GEMM + epilogue op
-        a, b = (node.args[1], node.args[2]) if node.target not in products else (node.args[-2], node.args[-1])
-        a, b = a.meta.get("val"), b.meta.get("val")
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return 2 * _compat.size_hint(a.numel()) * _compat.size_hint(b.shape[-1]) / link.matmul_flops
-    moved = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes)
-    return moved / link.memory_bytes_s
-
-
 def _world() -> int:
     """Ranks of the default group (the estimate's ring size)."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
 
 
-def _symbolic(node: fx.Node) -> bool:
-    v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
-
-
-def _waits(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if is_wait(u)]
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-
-
-def _ancestors(nodes: list[fx.Node]) -> set:
-    seen, stack = set(), [a for n in nodes for a in n.all_input_nodes]
-    while stack:
-        n = stack.pop()
-        if n not in seen and n.op == "call_function":
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+def _body(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
 
 
 def _mutation_order(body: list[fx.Node], index: dict) -> dict:
@@ -143,7 +85,7 @@ class _Live:
         self.held: dict = {}  # wait -> the inputs of its collective
         self.alias: dict = {}  # wait -> its collective (the wait returns the collective's buffer)
         for c in graph.nodes:
-            waits = _waits(c) if is_collective(c) else []
+            waits = collectives.waits(c) if collectives.is_collective(c) else []
             for w in waits:
                 self.alias[w] = c
                 self.uses[c] += len(w.users)
@@ -178,21 +120,49 @@ def peak_bytes(graph: fx.Graph, order: list[fx.Node]) -> int:
     return live.peak
 
 
-def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
+def peak_bytes(graph: fx.Graph, order: list[fx.Node]) -> int:
+    """The estimated peak of live bytes when the body runs in `order`."""
+    live = _Live(graph)
+    for n in order:
+        live.run(n)
+    return live.peak
+
+
+def dependencies(body: list[fx.Node]) -> nx.DiGraph:
+    """Edges a -> n where n must run after a: data edges inside the body and mutation order."""
+    index = {n: i for i, n in enumerate(body)}
+    deps = nx.DiGraph()
+    deps.add_nodes_from(body)
+    deps.add_edges_from((a, n) for n in body for a in n.all_input_nodes if a in index)
+    deps.add_edges_from((a, n) for n, before in _mutation_order(body, index).items() for a in before)
+    return deps
+
+
+def _first_fed(deps: nx.DiGraph, body: list[fx.Node], targets: set) -> dict:
+    """For each node that some target needs (an ancestor of it): the body index of the earliest
+    target it feeds, in one reverse topological walk."""
+    index = {n: i for i, n in enumerate(body)}
+    first: dict = {}
+    for n in reversed(list(nx.topological_sort(deps))):
+        fed = [first[m] for m in deps.successors(n) if m in first]
+        fed += [index[m] for m in deps.successors(n) if m in targets]
+        if fed:
+            first[n] = min(fed)
+    return first
+
+
+def schedule(graph: fx.Graph, budget_bytes: float = math.inf, pinned: frozenset = frozenset()) -> list[fx.Node]:
     """The new order of the graph's call_function nodes (placeholders and get_attrs stay first, the
     output last). Collectives and what feeds them go first while the live bytes stay within the
     budget; waits go last, unless the next node would take the live bytes over the budget: then a
-    ready wait runs first (it releases its collective's inputs)."""
-    body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    ready wait runs first (it releases its collective's inputs). A pinned collective and its wait
+    are ordinary compute: they keep the graph's order."""
+    body = _body(graph)
     index = {n: i for i, n in enumerate(body)}
-    extra = _mutation_order(body, index)
-    # what each node waits for inside the body, counted down as it runs (ready set kept incrementally)
-    deps = {n: {a for a in n.all_input_nodes if a in index} | extra.get(n, set()) for n in body}
-    waiting = {n: len(d) for n, d in deps.items()}
-    unblocks: dict = {}
-    for n, d in deps.items():
-        for a in d:
-            unblocks.setdefault(a, []).append(n)
+    deps = dependencies(body)
+    if not nx.is_directed_acyclic_graph(deps):  # a write order no data edge agrees with: keep the graph's
+        return body
+    waiting = {n: deps.in_degree(n) for n in body}
     ready = {n for n, k in waiting.items() if k == 0}
     live = _Live(graph)
     order = []
@@ -201,27 +171,26 @@ def schedule(graph: fx.Graph, budget_bytes: float = math.inf) -> list[fx.Node]:
         order.append(n)
         ready.discard(n)
         live.run(n)
-        for m in unblocks.get(n, ()):
+        for m in deps.successors(n):
             waiting[m] -= 1
             if waiting[m] == 0:
                 ready.add(m)
 
-    feeds = _ancestors([n for n in body if is_collective(n)])
+    moving = {n for n in body if collectives.is_collective(n) and n not in pinned}
+    feeds = _first_fed(deps, body, moving)  # what a moving collective needs: the earliest one's first
     while ready:
         candidates = sorted(ready, key=index.get)
-        early = [n for n in candidates if (is_collective(n) or n in feeds and not is_wait(n))
-                 and live.bytes + _bytes(n) <= budget_bytes]
-        waits = [n for n in candidates if is_wait(n)]
-        compute = [n for n in candidates if not is_wait(n)]
+        waits = [n for n in candidates if collectives.is_wait(n) and n.args[0] not in pinned]
+        early = sorted((n for n in candidates if (n in moving or n in feeds and not collectives.is_wait(n))
+                        and live.bytes + _bytes(n) <= budget_bytes), key=lambda n: (feeds.get(n, index[n]), index[n]))
+        compute = [n for n in candidates if not (collectives.is_wait(n) and n.args[0] not in pinned)]
         # collectives first, then what they wait on, then other compute
-        pick = next((n for n in early if is_collective(n)), early[0]) if early else \
+        pick = next((n for n in early if collectives.is_collective(n)), early[0]) if early else \
             compute[0] if compute else None
         if waits and (pick is None or live.bytes + _bytes(pick) > budget_bytes):
             run(waits[0])  # only waits are ready, or the next node would pass the budget: release first
         else:
             run(pick)
-    if len(order) != len(body):  # a dependency cycle: keep the graph's order
-        return body
     # greedy: an early collective's bytes may still pass the budget later; then the graph's own
     # order, unless that peaks higher still
     if budget_bytes < math.inf and peak_bytes(graph, body) < peak_bytes(graph, order) > budget_bytes:
@@ -236,18 +205,34 @@ def apply_order(graph: fx.Graph, order: list[fx.Node]) -> None:
     graph.lint()
 
 
-def exposed(order: list[fx.Node], link: LinkProfile) -> dict:
-    """Per collective: (comm seconds, compute seconds between issue and first wait)."""
+def windows(order: list[fx.Node]) -> dict:
+    """Per collective: the nodes between its issue and its first wait."""
     pos = {n: i for i, n in enumerate(order)}
     result = {}
     for n in order:
-        if not is_collective(n):
-            continue
-        waits = _waits(n)
-        end = min((pos[w] for w in waits if w in pos), default=pos[n] + 1)
-        between = sum(compute_seconds(m, link) for m in order[pos[n] + 1:end])
-        result[n] = (comm_seconds(n, _world(), link), between)
+        if collectives.is_collective(n):
+            end = min((pos[w] for w in collectives.waits(n) if w in pos), default=pos[n] + 1)
+            result[n] = order[pos[n] + 1:end]
     return result
+
+
+def exposed(order: list[fx.Node], costs: Costs) -> dict:
+    """Per collective: (comm seconds, compute seconds between issue and first wait), at the hint."""
+    return {c: (costs.comm(c), sum(costs.compute(m) for m in between)) for c, between in windows(order).items()}
+
+
+def _total(estimates: dict) -> float:
+    return sum(max(0.0, comm - hidden) for comm, hidden in estimates.values())
+
+
+def _exposed_before(before: dict, c: fx.Node, comm: float) -> float:
+    return max(0.0, comm - before[c][1]) if c in before else comm  # a new chunk: was serial
+
+
+def _no_gain(after: dict, before: dict) -> frozenset:
+    """The collectives whose move hides nothing more."""
+    return frozenset(c for c, (comm, hidden) in after.items()
+                     if max(0.0, comm - hidden) >= _exposed_before(before, c, comm))
 
 
 class OverlapPass(_compat.CustomGraphPass):
@@ -259,171 +244,89 @@ class OverlapPass(_compat.CustomGraphPass):
         self.budget = math.inf if budget_bytes is None else budget_bytes
         self.graphs: list[fx.Graph] = []  # the scheduled graphs (tests read them)
         self.estimates: list[tuple[str, float, float, float]] = []  # (collective, comm s, exposed before, after)
+        self.peaks: list[tuple[int, int]] = []  # per graph: estimated peak live bytes before, after
+
+    def _row(self, verdict, pattern, reason, kernel, **kw):
+        self.log.add(Decision(self.graph_id, pattern, "collectives", verdict, reason, kw.pop("location", ""),
+                              kw.pop("inputs", ()), kernel=kernel, **kw))
+
+    def _decompose(self, graph: fx.Graph, costs: Costs) -> None:
+        if costs.symbolic:
+            self._row("rejected", "decompose_collectives", "dynamic shapes: no chunked decomposition (chunk "
+                      "sizes need concrete dims); the reorder prices sizes at their traced example", "")
+            return
+        for name, k, gain in collectives.decompose_all_gather_matmul(graph, costs, self.chunks):
+            self._row("applied", "decompose_all_gather_matmul",
+                      f"{name} + matmul in {k} chunks (chunk i's all-gather overlaps chunk i-1's matmul); "
+                      f"est. {gain * 1e6:.1f} us saved ({self.link.name})", "all_gather_into_tensor")
+        for name, k, gain in collectives.decompose_matmul_reduce(graph, costs, self.chunks):
+            self._row("applied", "decompose_matmul_reduce",
+                      f"matmul + {name} in {k} column chunks (chunk j's collective overlaps chunk j+1's "
+                      f"matmul); est. {gain * 1e6:.1f} us saved ({self.link.name})", name)
 
     def __call__(self, graph: fx.Graph) -> None:
-        if not any(is_collective(n) for n in graph.nodes):
+        if not any(collectives.is_collective(n) for n in graph.nodes):
             return
-        body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        before = exposed(body, self.link)
-        dynamic = any(_symbolic(n) for n in graph.nodes)
-        if dynamic and self.chunks != 1:
-            self.log.add(Decision(self.graph_id, "decompose_collectives", "collectives", "rejected",
-                                  "dynamic shapes: no chunked decomposition (chunk sizes need concrete dims); "
-                                  "the reorder prices sizes at their traced example", "", ()))
-        if self.chunks != 1 and not dynamic:
-            for name, k, gain in decompose_all_gather_matmul(graph, self.link, self.chunks):
-                self.log.add(Decision(
-                    self.graph_id, "decompose_all_gather_matmul", "collectives", "applied",
-                    f"{name} + matmul in {k} chunks (chunk i's all-gather overlaps chunk i-1's matmul); "
-                    f"est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel="all_gather_into_tensor"))
-            for name, k, gain in decompose_matmul_reduce(graph, self.link, self.chunks):
-                self.log.add(Decision(
-                    self.graph_id, "decompose_matmul_reduce", "collectives", "applied",
-                    f"matmul + {name} in {k} column chunks (chunk j's collective overlaps chunk j+1's "
-                    f"matmul); est. {gain * 1e6:.1f} us saved ({self.link.name})", "", (), kernel=name))
-            body = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        costs = Costs(graph, self.link, _world())
+        body = _body(graph)
+        before, peak_before = exposed(body, costs), peak_bytes(graph, body)
+        before_windows = windows(body)
+        if self.chunks != 1:
+            self._decompose(graph, costs)
+            body = _body(graph)
+        # every move by the cost model: one that hides nothing more is put back, then schedule again
         order = schedule(graph, self.budget)
-        after = exposed(order, self.link)
-        total_before = sum(max(0.0, c - h) for c, h in before.values())
-        total_after = sum(max(0.0, c - h) for c, h in after.values())
-        if total_after <= total_before:
+        pinned = _no_gain(exposed(order, costs), before)
+        if pinned and order != body:
+            order = schedule(graph, self.budget, pinned)
+        after = exposed(order, costs)
+        if _total(after) > _total(before):  # the estimate got worse: the graph keeps its order
+            order, after, pinned = body, exposed(body, costs), frozenset(before)
+        else:
             apply_order(graph, order)
-        else:  # the estimate got worse: the graph keeps its order
-            order, after = body, exposed(body, self.link)
+        peak_after = peak_bytes(graph, order)
+        self.peaks.append((peak_before, peak_after))
+        deps = dependencies(order)
         old, new = {n: i for i, n in enumerate(body)}, {n: i for i, n in enumerate(order)}
-        for n, (comm, hidden) in after.items():
-            was = max(0.0, comm - before[n][1]) if n in before else comm  # a new chunk: was serial
-            now = max(0.0, comm - hidden)
-            self.estimates.append((_name(n), comm, was, now))
-            waits = _waits(n)
+        after_windows = windows(order)
+        for c, (comm, hidden) in after.items():
+            was, now = _exposed_before(before, c, comm), max(0.0, comm - hidden)
+            self.estimates.append((collectives.kind(c), comm, was, now))
+            waits = collectives.waits(c)
             moved_wait = (new[waits[0]] - old[waits[0]]) if waits and waits[0] in old else 0
-            moved = old.get(n, new[n]) != new[n] or moved_wait
-            note = "" if now < was else "; nothing moves over the wire (one rank)" if comm == 0 else \
-                "; no independent compute to hide it behind"
-            self.log.add(Decision(
-                graph=self.graph_id, pattern=f"overlap_{_name(n)}", family="collectives",
-                verdict="applied" if now < was or (comm == 0 and moved) else "rejected",
-                reason=(f"issued {old.get(n, new[n]) - new[n]} nodes earlier, wait {moved_wait} later; est. comm "
-                        f"{comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us ({self.link.name})"
-                        + note),
-                location=location(n), inputs=(f"{_bytes(n)} B",),
-                time_saved_us=round((was - now) * 1e6, 2), kernel=_name(n)))
+            head = ("kept in the graph's order (moving it hides nothing more)" if c in pinned else
+                    f"issued {old.get(c, new[c]) - new[c]} nodes earlier, wait {moved_wait} later")
+            reason = (f"{head}; est. comm {comm * 1e6:.1f} us, exposed {was * 1e6:.1f} -> {now * 1e6:.1f} us, "
+                      f"peak {peak_before / 2**20:.1f} -> {peak_after / 2**20:.1f} MiB ({self.link.name})")
+            if now > 0:
+                reason += f"; compute that could hide it: {self._free_compute(deps, c, costs) * 1e6:.1f} us"
+            if costs.symbolic:
+                reason += self._formula(c, costs, before_windows.get(c, []), after_windows[c])
+            verdict = "applied" if now < was and c not in pinned else "rejected"
+            self._row(verdict, f"overlap_{collectives.kind(c)}", reason, collectives.kind(c), location=location(c),
+                      inputs=(f"{_bytes(c)} B",), time_saved_us=round((was - now) * 1e6, 2))
         self.graphs.append(graph)
 
+    @staticmethod
+    def _free_compute(deps: nx.DiGraph, c: fx.Node, costs: Costs) -> float:
+        """At most this much compute can sit between c and its wait: what neither feeds c nor needs its wait."""
+        bound = nx.ancestors(deps, c) | {c}
+        for w in collectives.waits(c):
+            bound |= nx.descendants(deps, w) | {w}
+        return sum(costs.compute(n) for n in deps if n not in bound)
+
+    @staticmethod
+    def _formula(c: fx.Node, costs: Costs, was: list, now: list) -> str:
+        """The estimate in the shape symbols; whether the move's gain holds at every size."""
+        comm = costs.comm_expr(c)
+        hidden_was = sum((costs.compute_expr(n) for n in was), start=0)
+        hidden_now = sum((costs.compute_expr(n) for n in now), start=0)
+        proved = comm_cost.pays_at_every_size(hidden_now - hidden_was)
+        return (f"; symbolic: comm {comm_cost.show(comm)} us, hidden {comm_cost.show(hidden_now)} us; the move "
+                + ("pays at every size (sympy)" if proved else "pays at the traced size only"))
+
     def uuid(self):
-        # Inductor's cache key: this file's code and the settings (a cache hit skips the pass, and
+        # Inductor's cache key: the pass's code and the settings (a cache hit skips the pass, and
         # reuses the order it produced then; its decision rows are those of the compiling run)
-        return (_compat.get_hash_for_files((__file__,)), self.budget, dataclasses.astuple(self.link), self.chunks)
-
-
-# --- decomposition: all-gather -> matmul, and matmul -> all-reduce / reduce-scatter, in chunks ---------
-def _fake_call(target, args):
-    """Call target on the fake values of args (fx nodes) to get the new node's meta['val']."""
-    def fake(a):
-        if isinstance(a, (list, tuple)):
-            return [fake(b) for b in a]
-        return a.meta["val"] if isinstance(a, fx.Node) else a
-    vals = [fake(a) for a in args]
-    flat = [v for a in vals for v in (a if isinstance(a, list) else [a])]
-    mode = next(v.fake_mode for v in flat if isinstance(v, torch.Tensor))
-    with mode:
-        return target(*vals)
-
-
-def _emit(graph: fx.Graph, target, *args) -> fx.Node:
-    node = graph.call_function(target, tuple(args))
-    node.meta["val"] = _fake_call(target, args)
-    return node
-
-
-def chunk_gain(comm_s: float, compute_s: float, chunks: int, launch_s: float = 5e-6) -> float:
-    """Seconds saved by k chunks: serial comm + compute becomes one chunk's comm + the slower of the
-    two for the rest (the pipeline), paying k - 1 more launches of each."""
-    serial = comm_s + compute_s
-    pipelined = comm_s / chunks + max(comm_s, compute_s) * (chunks - 1) / chunks + compute_s / chunks
-    return serial - pipelined - 2 * (chunks - 1) * launch_s
-
-
-def _choose_chunks(comm_s: float, compute_s: float, forced: int | None) -> int:
-    if forced is not None:
-        return forced
-    best = max((2, 4, 8), key=lambda k: chunk_gain(comm_s, compute_s, k))
-    return best if chunk_gain(comm_s, compute_s, best) > 0 else 1
-
-
-def decompose_all_gather_matmul(graph: fx.Graph, link: LinkProfile, forced: int | None = None) -> list[tuple]:
-    """mm(wait(all_gather(x)), B) -> per chunk of x's rows: all_gather, wait, mm; the gathered rows are
-    (rank, chunk, row), so the results are re-interleaved into (rank, row) order. Returns
-    (all_gather node name, chunks, est. seconds saved) per rewrite."""
-    c10d = torch.ops._c10d_functional
-    done = []
-    for ag in [n for n in graph.nodes if is_collective(n) and _name(n) == "all_gather_into_tensor"]:
-        waits = _waits(ag)
-        if len(waits) != 1 or len(waits[0].users) != 1:
-            continue
-        wait, (mm,) = waits[0], list(waits[0].users)
-        x, group_size, group_name = ag.args[:3]
-        if mm.target is not torch.ops.aten.mm.default or mm.args[0] is not wait or x.meta["val"].dim() != 2:
-            continue
-        rows = x.meta["val"].shape[0]
-        comm, compute = comm_seconds(ag, group_size, link), compute_seconds(mm, link)
-        k = _choose_chunks(comm, compute, forced)
-        if k <= 1 or rows % k:
-            continue
-        with graph.inserting_before(mm):
-            parts = []
-            for i in range(k):
-                piece = _emit(graph, torch.ops.aten.slice.Tensor, x, 0, i * rows // k, (i + 1) * rows // k)
-                gathered = _emit(graph, c10d.all_gather_into_tensor.default, piece, group_size, group_name)
-                ready = _emit(graph, c10d.wait_tensor.default, gathered)
-                out = _emit(graph, torch.ops.aten.mm.default, ready, mm.args[1])
-                parts.append(_emit(graph, torch.ops.aten.view.default, out, [group_size, rows // k, -1]))
-            joined = _emit(graph, torch.ops.aten.cat.default, parts, 1)
-            result = _emit(graph, torch.ops.aten.view.default, joined, list(mm.meta["val"].shape))
-        mm.replace_all_uses_with(result)
-        for n in (mm, wait, ag):
-            graph.erase_node(n)
-        done.append((ag.name, k, chunk_gain(comm, compute, k)))
-    return done
-
-
-def decompose_matmul_reduce(graph: fx.Graph, link: LinkProfile, forced: int | None = None) -> list[tuple]:
-    """wait(all_reduce | reduce_scatter(mm(A, B))) -> per chunk of B's columns: mm, the collective,
-    wait; then the chunks joined along the columns (a reduce-scatter scatters rows, so each rank's
-    rows of every chunk line up). Chunk j's collective overlaps chunk j+1's matmul. Returns
-    (collective node name, chunks, est. seconds saved) per rewrite."""
-    c10d = torch.ops._c10d_functional
-    done = []
-    for coll in [n for n in graph.nodes if is_collective(n) and _name(n) in ("all_reduce", "all_reduce_",
-                                                                            "reduce_scatter_tensor")]:
-        src, waits = coll.args[0], _waits(coll)
-        # DTensor's rowwise linear reduces the matmul's output viewed back to (batch, seq, N)
-        viewed = isinstance(src, fx.Node) and src.target in _VIEWS and len(src.users) == 1
-        mm = src.args[0] if viewed else src
-        if not (isinstance(mm, fx.Node) and mm.target is torch.ops.aten.mm.default and len(mm.users) == 1
-                and len(waits) == 1 and len(coll.users) == 1):
-            continue
-        cols = mm.meta["val"].shape[1]
-        shape = list(src.meta["val"].shape)
-        if viewed and shape[-1] != cols:
-            continue
-        comm, compute = comm_seconds(coll, _world(), link), compute_seconds(mm, link)
-        k = _choose_chunks(comm, compute, forced)
-        if k <= 1 or cols % k:
-            continue
-        a, b = mm.args
-        with graph.inserting_before(waits[0]):
-            parts = []
-            for j in range(k):
-                bj = _emit(graph, torch.ops.aten.slice.Tensor, b, 1, j * cols // k, (j + 1) * cols // k)
-                yj = _emit(graph, torch.ops.aten.mm.default, a, bj)
-                if viewed:
-                    yj = _emit(graph, torch.ops.aten.view.default, yj, shape[:-1] + [cols // k])
-                cj = _emit(graph, coll.target, yj, *coll.args[1:])
-                parts.append(_emit(graph, c10d.wait_tensor.default, cj))
-            result = _emit(graph, torch.ops.aten.cat.default, parts, -1)
-        waits[0].replace_all_uses_with(result)
-        for n in (waits[0], coll, *([src] if viewed else []), mm):
-            graph.erase_node(n)
-        done.append((coll.name, k, chunk_gain(comm, compute, k)))
-    return done
+        files = (__file__, comm_cost.__file__, collectives.__file__)
+        return (_compat.get_hash_for_files(files), self.budget, dataclasses.astuple(self.link), self.chunks)

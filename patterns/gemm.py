@@ -29,12 +29,13 @@ import types
 import torch
 import torch.fx as fx
 
-from fusion_compiler import cost, overlap
+from fusion_compiler import cost
 from fusion_compiler.canonical import is_float_cast, val
 from fusion_compiler.codegen import gemm as kernels
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.engine import random_like
+from fusion_compiler.patterns import collectives
 from fusion_compiler.patterns.checks import float_dtype, one_device
 
 FAMILY = "gemm"
@@ -233,7 +234,7 @@ def _waited(node: fx.Node) -> fx.Node | None:
     """The collective whose wait gives node (through views), or None."""
     while node.op == "call_function" and node.target in _THROUGH:
         node = node.args[0]
-    return node.args[0] if overlap.is_wait(node) and isinstance(node.args[0], fx.Node) else None
+    return node.args[0] if collectives.is_wait(node) and isinstance(node.args[0], fx.Node) else None
 
 
 def _all_gathered(node: fx.Node) -> bool:
