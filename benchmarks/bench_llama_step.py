@@ -9,7 +9,8 @@ fusion_fp8_{rowwise,tensorwise}: FusionConfig(fp8=recipe), the linears the cost 
 fusion_fp8_always: every linear in FP8 (rowwise) and nothing else rewritten.
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its
-memory although it is a little slower than Inductor's (cost.py). liger: Liger-Kernel's patched HF Llama, eager (it
+memory although it is a little slower than Inductor's (cost.py); fusion_drop_logits@64: the same with
+at most 64 MiB of logits per chunk. liger: Liger-Kernel's patched HF Llama, eager (it
 patches the model classes for the whole process, so it runs last).
 """
 import argparse
@@ -31,8 +32,12 @@ def build(seed=0):
 
 
 def make_step(mode, batch=2, seq=2048):
-    """(step function, fusion backend or None, model, optimizer) of one mode."""
+    """(step function, fusion backend or None, model, optimizer) of one mode; "MODE@N": the chunked
+    LM head + loss holds at most N MiB of logits per chunk (codegen's CHUNK_BYTES, default 256)."""
     import fusion_compiler as fc
+    from fusion_compiler.codegen import linear_cross_entropy
+    mode, _, chunk_mib = mode.partition("@")
+    linear_cross_entropy.CHUNK_BYTES = int(chunk_mib or 256) << 20
     if mode == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
