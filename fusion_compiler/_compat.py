@@ -19,6 +19,11 @@ from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+
+# the node-metadata key of a selective-checkpoint policy: AOTAutograd copies it into the joint graph
+# (torch.fx.proxy's copied fields) and the min-cut partitioner honours it (recompute.py)
+RECOMPUTE_META = "recompute"
 
 
 def size_hint(x, fallback: int = 4096) -> int:
@@ -53,11 +58,13 @@ CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
 __all__ = [
     "CANONICAL_DECOMPOSITIONS",
+    "CheckpointPolicy",
     "CustomGraphPass",
     "FakeTensor",
     "FakeTensorMode",
     "HigherOrderOperator",
     "OpOverload",
+    "RECOMPUTE_META",
     "aot_eager",
     "compile_fx",
     "detect_fake_mode",

@@ -9,7 +9,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from . import _compat, engine, overlap, state_update
+from . import _compat, engine, overlap, recompute, state_update
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
@@ -46,6 +46,8 @@ class FusionBackend:
                     ph.meta[EXAMPLE] = t
             try:
                 engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
+                marked = recompute.mark(aten_gm, self.log, gid) if self.config.prefer_memory and any(grad_inputs) \
+                    else []
             finally:  # the graph must not keep the first call's tensors alive
                 for ph in placeholders:
                     ph.meta.pop(EXAMPLE, None)
@@ -59,7 +61,8 @@ class FusionBackend:
             self._internal_error(gid, "graph", e)
             return self._handoff(gm, example_inputs)
         try:
-            return self._handoff(aten_gm, example_inputs, gid)
+            patches = {"joint_custom_pre_pass": recompute.JointCheck(marked, self.log, gid)} if marked else {}
+            return self._handoff(aten_gm, example_inputs, gid, patches)
         except Exception as e:  # noqa: BLE001  (the rewritten graph failed to compile: undo, say why)
             self._handoff_failed(gid, "graph", e)
             return self._handoff(gm, example_inputs)
@@ -113,16 +116,18 @@ class FusionBackend:
         self._fallback(gid, f"{self.config.handoff} failed on the rewritten {what}, compiled the original "
                             f"instead: {type(e).__name__}: {str(e)[:300]}")
 
-    def _handoff(self, gm: fx.GraphModule, example_inputs, gid: int = -1):
+    def _handoff(self, gm: fx.GraphModule, example_inputs, gid: int = -1, patches: dict | None = None):
+        """patches: Inductor config patches of the rewritten graph (the recompute marks' joint pass)."""
+        patches = dict(patches or {})
         if self.config.handoff == "inductor":
             dist = torch.distributed
             if self.config.overlap_collectives and dist.is_available() and dist.is_initialized():
                 # post-grad pass, forward and backward (config_patches reach the lazily compiled backward)
                 self.overlap = overlap.OverlapPass(self.log, gid, self.config.overlap_memory_budget,
                                                    chunks=self.config.overlap_chunks)
-                return _compat.compile_fx(gm, example_inputs,
-                                          config_patches={"post_grad_custom_post_pass": self.overlap})
-            return _compat.compile_fx(gm, example_inputs)
+                patches["post_grad_custom_post_pass"] = self.overlap
+            return _compat.compile_fx(gm, example_inputs, config_patches=patches) if patches else \
+                _compat.compile_fx(gm, example_inputs)
         if self.config.handoff == "aot_eager":
             return _compat.aot_eager(gm, example_inputs)
         return gm

@@ -13,7 +13,9 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.fx as fx
 
+from . import recompute
 from .canonical import val
 
 MARGIN = 0.02  # a rewrite must be estimated at least this much faster than its baseline
@@ -237,7 +239,14 @@ def estimate_fused(match, ctx: CostContext) -> Estimate:
         base_bytes = fwd * (3 if ctx.training else 1)
         base_l = len(interior) * (3 if ctx.training else 1)
         base_s = base_l * p.launch_s + base_bytes / (p.bandwidth * p.eager_efficiency)
-    return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, f"width {width}, {source}")
+    note = f"width {width}, {source}"
+    if ctx.prefer_memory and ctx.training and match.pattern.family == "norm" and \
+            any(isinstance(o, fx.Node) and recompute.only_matmul_operands(o) for o in match.outputs):
+        # our kernel's output would be saved for the matmuls; Inductor's is recomputed (recompute.py)
+        return Estimate(max(ours_s, base_s), base_s, fused, base_bytes, ctx.baseline,
+                        f"{note}; prefer_memory=True: Inductor's norm output feeds only matmuls and is "
+                        f"recomputed in the backward instead of saved")
+    return Estimate(ours_s, base_s, fused, base_bytes, ctx.baseline, note)
 
 
 def _by_length(rows, length: int) -> float:

@@ -41,3 +41,14 @@ def test_no_private_torch_import_outside_compat():
         if path.name != "_compat.py" and private.search(path.read_text()):
             offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+def test_recompute_policy_reaches_the_joint_graph_and_the_partitioner():
+    import torch._functorch.partitioners as partitioners
+    import torch.fx.proxy as proxy
+    assert _compat.RECOMPUTE_META in proxy._COPY_META_FIELDS  # AOTAutograd copies it into the joint graph
+    node = torch.fx.Graph().placeholder("x")
+    node.meta[_compat.RECOMPUTE_META] = _compat.CheckpointPolicy.PREFER_RECOMPUTE
+    assert partitioners.must_recompute(node)
+    assert "joint_custom_pre_pass" in torch._inductor.config.__dict__ or \
+        hasattr(torch._inductor.config, "joint_custom_pre_pass")
