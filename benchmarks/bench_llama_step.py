@@ -33,18 +33,21 @@ def build(seed=0):
 
 def make_step(mode, batch=2, seq=2048):
     """(step function, fusion backend or None, model, optimizer) of one mode; "MODE@N": the chunked
-    LM head + loss holds at most N MiB of logits per chunk (codegen's CHUNK_BYTES, default 256)."""
+    LM head + loss holds at most N MiB of logits per chunk (codegen's CHUNK_BYTES, default 256);
+    "MODE-FAMILY": a fusion mode with that pattern family disabled."""
     import fusion_compiler as fc
     from fusion_compiler.codegen import linear_cross_entropy
     mode, _, chunk_mib = mode.partition("@")
+    mode, _, disabled = mode.partition("-")
+    off = {"disable_families": frozenset({disabled})} if disabled else {}
     linear_cross_entropy.CHUNK_BYTES = int(chunk_mib or 256) << 20
     if mode == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    be = {"fusion": "fusion", "fusion_always": fc.backend(cost_model="always"),
-          "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True), "inductor": "inductor",
+    be = {"fusion": fc.backend(**off) if off else "fusion", "fusion_always": fc.backend(cost_model="always", **off),
+          "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True, **off), "inductor": "inductor",
           "fusion_fp8_rowwise": fc.backend(fp8="rowwise"), "fusion_fp8_tensorwise": fc.backend(fp8="tensorwise"),
           "fusion_fp8_always": fc.backend(fp8="rowwise", cost_model="always", families={"fp8"})}.get(mode)
     fwd = torch.compile(model, backend=be) if be is not None else model
@@ -82,7 +85,8 @@ def run_mode(mode, steps, batch=2, seq=2048):
     ms = statistics.median(times)
     row = dict(mode=mode, first_step_s=round(first, 1), step_ms=round(ms, 2),
                tokens_per_s=int(batch * seq / ms * 1e3),
-               peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss0=round(loss0, 4))
+               peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               peak_MiB=round(torch.cuda.max_memory_allocated() / 2**20, 1), loss0=round(loss0, 4))
     if mode.startswith("fusion"):
         rep = fc.last_report() if mode == "fusion" else fc.Report(be.log.decisions)
         s = rep.summary()
@@ -112,7 +116,7 @@ def main():
         print(rows[-1], flush=True)
     save("llama_step.json", {"env": env(), "rows": rows})
     print(env())
-    print(table(rows, ["mode", "first_step_s", "step_ms", "tokens_per_s", "peak_GiB", "loss0", "applied", "rejected"]))
+    print(table(rows, ["mode", "first_step_s", "step_ms", "tokens_per_s", "peak_GiB", "peak_MiB", "loss0", "applied", "rejected"]))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The tensors are the q/k/v/o/gate/up/down weights of 6 Llama-style layers (hidden
 ffn 11008); the anchors' case is 42 fp32 tensors, 470M parameters. Modes (one process, one card):
   for_loop, foreach, fused        eager torch.optim.AdamW
   inductor / fusion               torch.compile(opt.step) (foreach spelling; for-loop with --for-loop)
+  fusion_always                   the same with cost_model="always" (our kernel whatever the cost model says)
   clip+...                        clip_grad_norm_(1.0) then the step, two compiled graphs (torch.optim's
                                   step starts with a graph break) or one graph (the step called through
                                   inspect.unwrap, as tests/patterns/test_optimizer_patterns.py does)
@@ -60,7 +61,8 @@ def make_step(mode: str, params, for_loop: bool):
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
     be = None
     if kind.startswith("fusion"):
-        be = fc.backend(skip_clipped_grad_store=kind.endswith("skip_store"))
+        be = fc.backend(skip_clipped_grad_store=kind.endswith("skip_store"),
+                        cost_model="always" if "always" in kind else "roofline")
     compiler = (lambda f: torch.compile(f, backend=be)) if be is not None else \
         (lambda f: torch.compile(f)) if kind.startswith("inductor") else (lambda f: f)
     clip = mode.startswith("clip")

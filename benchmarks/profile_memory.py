@@ -45,7 +45,8 @@ def peak_of_one_step(mode, top):
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             cur -= live.pop(ev["addr"])["size"]
     print(f"## {mode}: before the step {base / 2**30:.2f} GiB, peak {peak / 2**30:.2f} GiB "
-          f"(allocations made in the step and alive at the peak: {(peak - base) / 2**30:.2f} GiB)")
+          f"= {peak / 2**20:.1f} MiB (allocations made in the step and alive at the peak: "
+          f"{(peak - base) / 2**20:.1f} MiB)")
     by = {}
     for ev in at_peak.values():
         key = origin(ev["frames"])
