@@ -31,6 +31,9 @@ MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
          aten.transpose.int, aten.permute.default)
 ACTIVATIONS = (aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default)
+# activations whose backward reads their input: alone (not gated), their output is worth recomputing
+# (relu, sigmoid and tanh read their output, which would then be saved in its place)
+READ_INPUT = (aten.silu.default, aten.gelu.default)
 CAST = aten._to_copy.default
 
 
@@ -62,7 +65,7 @@ def only_matmul_operands(node: fx.Node) -> bool:
 
 def _activation(node: fx.Node):
     """(nodes to recompute, the tensors they are made from) of act(g) * u, u * act(g) or act(g)."""
-    if _is(node, ACTIVATIONS):
+    if _is(node, READ_INPUT):
         return [node], [node.args[0]]
     if _is(node, (aten.mul.Tensor,)) and all(isinstance(a, fx.Node) for a in node.args):
         for a, b in (node.args, node.args[::-1]):
