@@ -106,10 +106,29 @@ def test_value_with_another_reader_is_not_marked():
     assert not [d for d in be.log.decisions if d.pattern == "recompute_activation"]
 
 
-def test_marks_are_in_inductors_cache_key(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
-    _, _, _, _, saved_plain = _run(False)
-    torch.compiler.reset()
-    _, _, _, _, saved_marked = _run(True)
+def test_marks_are_in_inductors_cache_key():
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        _, _, _, _, saved_plain = _run(False)
+        torch.compiler.reset()
+        _, _, _, _, saved_marked = _run(True)
     assert saved_marked < saved_plain  # not the cached graph of the unmarked compile
+
+
+@pytest.mark.parametrize("act, marked", [(F.gelu, True), (F.relu, False)])
+def test_a_plain_activation_is_marked_only_when_its_backward_reads_its_input(act, marked):
+    class Plain(Block):
+        def forward(self, x):
+            return self.down(act(self.gate(x)))
+    torch.manual_seed(0)
+    be = fc.backend(prefer_memory=True, disable_families={"gemm"})
+    model = Plain()
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    y, saved = _saved_bytes(torch.compile(model, backend=be), x)
+    y.square().sum().backward()
+    rows = [d for d in be.log.decisions if d.pattern == "recompute_activation"]
+    assert bool(rows) == marked
+    xr = x.detach().clone().requires_grad_()
+    ref = model.down(act(model.gate(xr)))
+    assert rel_err(y, ref) < 1e-5
+    ref.square().sum().backward()
+    assert rel_err(x.grad, xr.grad) < 1e-5
