@@ -46,8 +46,9 @@ class FusionBackend:
                     ph.meta[EXAMPLE] = t
             try:
                 engine.run(aten_gm, self.config, self.log, gid, grad_inputs)
+                # the marks steer Inductor's partitioner: with another hand-off they would change nothing
                 marked = recompute.mark(aten_gm, self.log, gid) if self.config.prefer_memory and any(grad_inputs) \
-                    else []
+                    and self.config.handoff == "inductor" else []
             finally:  # the graph must not keep the first call's tensors alive
                 for ph in placeholders:
                     ph.meta.pop(EXAMPLE, None)

@@ -132,3 +132,11 @@ def test_a_plain_activation_is_marked_only_when_its_backward_reads_its_input(act
     assert rel_err(y, ref) < 1e-5
     ref.square().sum().backward()
     assert rel_err(x.grad, xr.grad) < 1e-5
+
+
+def test_other_handoffs_get_no_marks():
+    torch.manual_seed(0)
+    be = fc.backend(prefer_memory=True, disable_families={"gemm"}, handoff="aot_eager")
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    torch.compile(Block(), backend=be)(x).sum().backward()
+    assert not [d for d in be.log.decisions if d.family == "memory"]
