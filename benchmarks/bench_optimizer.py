@@ -8,11 +8,13 @@ ffn 11008); the anchors' case is 42 fp32 tensors, 470M parameters. Modes (one pr
   clip+...                        clip_grad_norm_(1.0) then the step, two compiled graphs (torch.optim's
                                   step starts with a graph break) or one graph (the step called through
                                   inspect.unwrap, as tests/patterns/test_optimizer_patterns.py does)
-Time: median wall time per step (CUDA events, do_bench), launch overhead included; compile: first
-call. TB/s counts the bytes a step must move: 28 B/param for AdamW (read p, g, m, v; write p, m, v),
+Time: median wall time per step (CUDA events, do_bench), launch overhead included; kernels_ms: the
+summed device time of the step's kernels (profiler; the rest of ms is launch gaps); compile: first
+call; --profile prints each step's kernels. TB/s counts the bytes a step must move: 28 B/param for
+AdamW (read p, g, m, v; write p, m, v),
 +8 with the clip (read g for the norm, write the clipped g), +4 when the clipped g is not stored.
 
-    python3 bench_optimizer.py [--layers 6] [--blocks 1024x4 2048x4 4096x8]
+    python3 bench_optimizer.py [--layers 6] [--blocks 1024x4 2048x4 1024x4:4096x8x2]
 """
 import argparse
 import inspect
@@ -21,7 +23,7 @@ import time
 import torch
 
 import fusion_compiler as fc
-from common import bench_ms, env, save, table
+from common import bench_gpu_ms, bench_ms, env, save, table
 from fusion_compiler.codegen import multi_tensor
 
 
@@ -86,6 +88,16 @@ def make_step(mode: str, params, for_loop: bool):
     return step, opt, be
 
 
+def kernel_table(step, iters=10) -> str:
+    """The kernels of `iters` steps by device time (profiler), with their count."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60)
+
+
 def reference_error(mode, params, for_loop):
     """Max |p - p_eager| after one step from the same state (eager foreach as the reference)."""
     ours, ref = clone_params(params), clone_params(params)
@@ -103,9 +115,10 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--for-loop", action="store_true", help="compile the for-loop spelling instead of foreach")
     ap.add_argument("--blocks", nargs="*", default=["1024x4:4096x8"],
-                    help="BLOCKxWARPS[:NORM_BLOCKxNORM_WARPS]: all are timed in the fusion modes named by "
+                    help="BLOCKxWARPS[:NORM_BLOCKxNORM_WARPS[xNORM_PER]]: all are timed in the fusion modes named by "
                          "--sweep, the first elsewhere")
     ap.add_argument("--sweep", nargs="*", default=["fusion"], help="modes timed with every --blocks entry")
+    ap.add_argument("--profile", action="store_true", help="print each step's kernels (profiler, device time)")
     ap.add_argument("--modes", nargs="*", default=[
         "for_loop", "foreach", "fused", "inductor", "fusion",
         "clip2+foreach", "clip2+inductor", "clip2+fusion",
@@ -121,7 +134,8 @@ def main():
                 tile, _, norm = block.partition(":")
                 multi_tensor.BLOCK, multi_tensor.WARPS = map(int, tile.split("x"))
                 if norm:
-                    multi_tensor.NORM_BLOCK, multi_tensor.NORM_WARPS = map(int, norm.split("x"))
+                    norm = [int(v) for v in norm.split("x")]  # NORM_BLOCKxNORM_WARPS[xNORM_PER]
+                    multi_tensor.NORM_BLOCK, multi_tensor.NORM_WARPS, multi_tensor.NORM_PER = (norm + [1])[:3]
             torch.compiler.reset()
             work = clone_params(params)
             step, opt, be = make_step(mode, work, args.for_loop)
@@ -131,20 +145,23 @@ def main():
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
             ms = bench_ms(step)
+            gpu_ms = bench_gpu_ms(step)
+            if args.profile:
+                print(mode, block, kernel_table(step), flush=True)
             per_param = 28 + (8 if mode.startswith("clip") else 0) - (4 if mode.endswith("skip_store") else 0)
             applied = sorted({d.pattern for d in be.log.decisions if d.verdict == "applied"}) if be else []
             fallbacks = [d.reason[:120] for d in be.log.decisions if d.verdict == "fallback"] if be else []
             del step, opt, work
             torch.cuda.empty_cache()
             err = reference_error(mode, params, args.for_loop) if "fusion" in mode else float("nan")
-            rows.append({"mode": mode, "block": block or "", "ms": round(ms, 3),
+            rows.append({"mode": mode, "block": block or "", "ms": round(ms, 3), "kernels_ms": round(gpu_ms, 3),
                          "TB/s": round(n * per_param / ms / 1e9, 2), "first_call_s": round(first_s, 1),
                          "max_err": f"{err:.1e}", "applied": " ".join(applied), "fallback": " | ".join(fallbacks)})
             print(rows[-1], flush=True)
     info = env() | {"params": n, "tensors": len(params), "for_loop_compiled": args.for_loop}
     save(f"optimizer{'-forloop' if args.for_loop else ''}.json", {"env": info, "rows": rows})
     print(info)
-    print(table(rows, ["mode", "block", "ms", "TB/s", "first_call_s", "max_err", "applied"]))
+    print(table(rows, ["mode", "block", "ms", "kernels_ms", "TB/s", "first_call_s", "max_err", "applied"]))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,9 @@ def block_size() -> tuple[int, int]:
 # H200 (benchmarks/RESULTS.md, optimizer runs 2-4): 256-1024 elements x 2-4 warps all reach
 # 4.12-4.13 TB/s on AdamW; 2048 x 4: 3.9, 4096 x 8: 3.2; several blocks per program: 4.0
 BLOCK, WARPS = 1024, 4
-NORM_BLOCK, NORM_WARPS = 4096, 8  # the sum-of-squares pass (1024 x 4: clip + AdamW 1.4% slower)
+# the sum-of-squares pass: 8 chunks of 2048 a program, 4.49 TB/s alone on the H200 (one chunk of
+# 4096 x 8 warps: 4.11; RESULTS.md, 2026-12-04 stop 19)
+NORM_BLOCK, NORM_WARPS, NORM_PER = 2048, 8, 8
 
 _TABLES: dict = {}
 
@@ -264,7 +266,8 @@ def verify(program: Program, device: torch.device) -> None:
 
 @triton.jit
 def _sum_squares_kernel(BASE, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL, BLOCK: tl.constexpr,
-                        ALIGNED: tl.constexpr, VEC: tl.constexpr):
+                        PER: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr):
+    """One program: PER consecutive BLOCK-element chunks of one lane (its table block is BLOCK * PER)."""
     pid = tl.program_id(0)
     lane = tl.load(BLOCK_LANE + pid)
     start = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK)
@@ -272,12 +275,17 @@ def _sum_squares_kernel(BASE, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL,
     offset = tl.load(OFFSETS + lane)
     if ALIGNED:
         offset = tl.multiple_of(offset, VEC)
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= numel:
-        x = tl.load(BASE + offset + offs).to(tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if start + BLOCK * PER <= numel:
+        for i in tl.static_range(PER):
+            x = tl.load(BASE + offset + start + i * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+            acc += x * x
     else:
-        x = tl.load(BASE + offset + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    tl.store(PARTIAL + pid, tl.sum(x * x, axis=0))
+        for i in tl.static_range(PER):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(BASE + offset + offs, mask=offs < numel, other=0.0).to(tl.float32)
+            acc += x * x
+    tl.store(PARTIAL + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -301,12 +309,12 @@ def sum_squares(tensors: list) -> torch.Tensor:
     if sum(numels) == 0 or addressing is None:
         return out if sum(numels) == 0 else torch.stack([(t.float() ** 2).sum() for t in tensors])
     bases, offsets, aligned = addressing
-    block, warps = (4096, 4) if interpreting() else (NORM_BLOCK, NORM_WARPS)
-    block_lane, block_start, numel_t, first = _block_table(numels, block, device)
+    block, warps, per = (1024, 4, 2) if interpreting() else (NORM_BLOCK, NORM_WARPS, NORM_PER)
+    block_lane, block_start, numel_t, first = _block_table(numels, block * per, device)
     n_blocks = block_lane.numel()
     partial = torch.empty(n_blocks, dtype=torch.float32, device=device)
     _sum_squares_kernel[(n_blocks,)](bases[tensors[0].dtype], offsets, block_lane, block_start, numel_t, partial,
-                                     BLOCK=block, ALIGNED=aligned, VEC=16 // tensors[0].element_size(),
+                                     BLOCK=block, PER=per, ALIGNED=aligned, VEC=16 // tensors[0].element_size(),
                                      num_warps=warps)
     _lane_sum_kernel[(len(tensors),)](partial, first, out, MAX_BLOCKS=1024)
     return out

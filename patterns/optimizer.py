@@ -165,6 +165,16 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
     return len(applied)
 
 
+def _restack(graph: fx.Graph, values: list, roots: fx.Node) -> None:
+    """clip_grad_norm_ stacks the norms it took (torch.stack(norms)): a stack of all of them in order
+    is `roots` itself (Inductor would otherwise copy them back into a new tensor, kernels of their own)."""
+    for user in list(values[0].users):
+        if user.op == "call_function" and user.target is aten.stack.default and list(user.args[0]) == values \
+                and all(v.target is aten.select.int for v in values) and (user.args[1:] or user.kwargs.get("dim", 0)) in (0, (0,)):
+            user.replace_all_uses_with(roots)
+            graph.erase_node(user)
+
+
 def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
     """2-norms of several graph inputs of one dtype and device (a global-norm clip's first pass)
     become one fusion::multi_tensor_sum_squares launch; returns how many norms it took."""
@@ -195,6 +205,7 @@ def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
         for n, value in zip(norms, values):
             n.replace_all_uses_with(value)
             gm.graph.erase_node(n)
+        _restack(gm.graph, values, roots)
         taken += len(norms)
     gm.graph.lint()
     gm.recompile()

@@ -227,6 +227,9 @@ def test_clip_grad_norm_then_adamw_match_eager(one_graph, foreach):
     assert "clip_grad_norm" in applied and "optimizer_adam" in applied, applied
     if one_graph:
         assert be.graphs == 1
+    for gm in be.rewritten:  # the norms are stacked back as the op's output is, not copied again
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.stack.default and any(
+            a.target is torch.ops.aten.select.int for a in n.args[0])]
 
 
 def _clip_and_raw_step(opt, params):
