@@ -53,6 +53,27 @@ grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 # the FP8 GEMM with per-tensor or per-row dequantization scales (torch 2.11-2.13: private)
 scaled_mm = torch._scaled_mm
 
+
+
+# torch.compile's own entry into Dynamo; unlike torch.compile it keeps a backend's backend_ctx_ctor
+dynamo_optimize = torch._dynamo.optimize
+
+
+def capture_dynamic_output_shapes():
+    """Dynamo traces ops with data-dependent output sizes (nonzero, torch.where(mask)) into the graph
+    with unbacked sizes instead of breaking it (a backend's backend_ctx_ctor: entered around each call
+    of the compiled function, tracing included)."""
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
+def has_unbacked(value) -> bool:
+    """A fake value (or a tuple of them) with a data-dependent (unbacked) size."""
+    if isinstance(value, (tuple, list)):
+        return any(has_unbacked(v) for v in value)
+    sizes = value.shape if isinstance(value, torch.Tensor) else (value,) if isinstance(value, torch.SymInt) else ()
+    return any(isinstance(s, torch.SymInt) and _symbolic_shapes.has_free_unbacked_symbols(s) for s in sizes)
+
+
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
@@ -66,10 +87,13 @@ __all__ = [
     "OpOverload",
     "RECOMPUTE_META",
     "aot_eager",
+    "capture_dynamic_output_shapes",
     "compile_fx",
     "detect_fake_mode",
+    "dynamo_optimize",
     "get_hash_for_files",
     "grouped_mm",
+    "has_unbacked",
     "scaled_mm",
     "set_grad_enabled",
     "size_hint",

@@ -2,7 +2,10 @@
 
     torch.compile(model, backend="fusion")                          # entry point, default config
     torch.compile(model, backend=fusion_compiler.backend(config))   # explicit config
+    fusion_compiler.compile(model, fusion_compiler.backend(config)) # the same, with the backend's
+                                                                    # Dynamo settings (see compile)
 """
+import contextlib
 import dataclasses
 import traceback
 
@@ -26,6 +29,10 @@ class FusionBackend:
         self.graphs = 0
         self.rewritten: list[fx.GraphModule] = []  # the canonical ATen graphs handed off, after rewriting
         self.overlap: overlap.OverlapPass | None = None  # the last collective scheduling pass (its .graphs)
+        # Dynamo's optimize() reads this attribute of a backend and enters it around each call of the
+        # compiled function (torch.compile wraps the backend first and drops it: see compile below)
+        self.backend_ctx_ctor = _compat.capture_dynamic_output_shapes \
+            if self.config.capture_dynamic_output_shapes else contextlib.nullcontext
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gid = self.graphs
@@ -147,3 +154,16 @@ DEFAULT = FusionBackend()
 def fusion_backend(gm: fx.GraphModule, example_inputs):
     """The entry point behind backend="fusion" (default config; decisions in fusion_compiler.last_report())."""
     return DEFAULT(gm, example_inputs)
+
+
+def compile(model, backend: FusionBackend | None = None, *, fullgraph: bool = False, dynamic: bool | None = None):
+    """torch.compile(model, backend=backend) with the backend's Dynamo settings in force whenever the
+    compiled model runs: with FusionConfig.capture_dynamic_output_shapes (the default) a per-expert
+    MoE loop over range(num_experts) (transformers 4.x) is one graph, which the MoE family fuses.
+    torch.compile wraps any backend in its own object and drops those settings; with it, set
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True yourself for the same effect. Code that
+    Dynamo already compiled in this process without the setting keeps its graph breaks until
+    torch.compiler.reset().
+    backend: a FusionBackend (its .log holds the decisions); None: a new one, default config."""
+    backend = backend if backend is not None else FusionBackend()
+    return _compat.dynamo_optimize(backend, nopython=fullgraph, dynamic=dynamic)(model)

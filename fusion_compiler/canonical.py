@@ -64,9 +64,12 @@ class _GradModeAwareInterpreter(fx.Interpreter):
 
 
 def einsum_as_matmul(equation, *operands):
-    """A two-operand einsum that is a batched matrix product (batch indices shared by both operands
-    and the output, one free index per operand, one contracted index), as permute -> matmul ->
-    permute: the spelling that canonicalizes like `a @ b`. None for any other einsum."""
+    """A two-operand einsum that is a (broadcast) batched matrix product, as permute -> matmul ->
+    permute: the spelling that canonicalizes like `a @ b`. One index is contracted; an output index
+    that only one operand has is that operand's free (row or column) index, and when an operand has two
+    such, its leading one is a batch index the other operand is broadcast along ("td,edf->tef": every
+    expert's product of x); an operand without a free index gets a unit one ("ted,te->td": the gates'
+    weighted sum). None for any other einsum."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation or "." in equation:
@@ -78,19 +81,44 @@ def einsum_as_matmul(equation, *operands):
     a_idx, b_idx = terms
     a, b = operands
     if len(set(a_idx)) != len(a_idx) or len(set(b_idx)) != len(b_idx) or len(set(out)) != len(out) or \
-            a.dim() != len(a_idx) or b.dim() != len(b_idx):
+            a.dim() != len(a_idx) or b.dim() != len(b_idx) or any(c not in a_idx + b_idx for c in out):
         return None
     contracted = [c for c in a_idx if c in b_idx and c not in out]
     batch = [c for c in out if c in a_idx and c in b_idx]
     free_a = [c for c in a_idx if c not in b_idx]
     free_b = [c for c in b_idx if c not in a_idx]
-    if len(contracted) != 1 or len(free_a) != 1 or len(free_b) != 1 or \
-            sorted(out) != sorted(batch + free_a + free_b) or any(c not in out for c in free_a + free_b):
+    if len(contracted) != 1 or any(c not in out for c in free_a + free_b) or len(free_a) + len(free_b) > 3:
         return None
-    a_p = _permuted(a, [a_idx.index(c) for c in batch + free_a + contracted])
-    b_p = _permuted(b, [b_idx.index(c) for c in batch + contracted + free_b])
+    if len(free_a) == 2:
+        batch.append(free_a.pop(0))
+    elif len(free_b) == 2:
+        batch.append(free_b.pop(0))
+    if len(free_a) > 1 or len(free_b) > 1:
+        return None
+    a_p = _broadcast_operand(a, a_idx, batch, free_a + contracted)
+    b_p = _broadcast_operand(b, b_idx, batch, contracted + free_b)
+    if not free_a:
+        a_p = a_p.unsqueeze(-2)
+    if not free_b:
+        b_p = b_p.unsqueeze(-1)
+    batch_shape = torch.broadcast_shapes(a_p.shape[:-2], b_p.shape[:-2])
+    a_p, b_p = (t if t.shape[:-2] == batch_shape else t.expand(*batch_shape, *t.shape[-2:]) for t in (a_p, b_p))
+    product = torch.matmul(a_p, b_p)
+    if not free_b:
+        product = product.squeeze(-1)
+    if not free_a:
+        product = product.squeeze(-2 if free_b else -1)
     product_idx = batch + free_a + free_b
-    return _permuted(torch.matmul(a_p, b_p), [product_idx.index(c) for c in out])
+    return _permuted(product, [product_idx.index(c) for c in out])
+
+
+def _broadcast_operand(t, idx, batch, rest):
+    """t permuted to batch + rest, with a unit dim where it lacks a batch index (expanded by the caller)."""
+    t = _permuted(t, [idx.index(c) for c in batch if c in idx] + [idx.index(c) for c in rest])
+    for position, c in enumerate(batch):
+        if c not in idx:
+            t = t.unsqueeze(position)
+    return t
 
 
 def _permuted(t, dims):

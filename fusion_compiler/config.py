@@ -66,6 +66,12 @@ class FusionConfig:
         16-byte aligned rows), where the operands allow it.
     overlap_chunks: all-gather -> matmul is split into this many chunks so that chunk i's all-gather
         overlaps chunk i-1's matmul (None: the cost model picks 1, 2, 4 or 8; 1: never split).
+    capture_dynamic_output_shapes: while a model compiled by fusion_compiler.compile runs, Dynamo
+        captures ops whose output size depends on the data (torch.where(mask), nonzero) instead of
+        breaking the graph there (its capture_dynamic_output_shape_ops setting), so that a per-expert
+        loop over a ModuleList (transformers 4.x MoE) is one graph the MoE family can take. (torch.compile
+        drops a backend's Dynamo settings: there, set that torch._dynamo.config flag yourself.) A graph
+        that keeps such sizes after the MoE rewrite skips the other families (a fallback row says so).
     """
     families: Optional[frozenset] = None
     patterns: Optional[frozenset] = None
@@ -84,6 +90,7 @@ class FusionConfig:
     skip_clipped_grad_store: bool = False
     gemm_timing: bool = True
     moe_impl: str = "auto"
+    capture_dynamic_output_shapes: bool = True
     fp8: Optional[str] = None
     fp8_emulate: bool = False
 

@@ -410,7 +410,10 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     ours (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
     (output) and backward (input gradient); grouped_mm keeps the copies, and with gate and up apart
     concatenates them (and adds two input gradients), with the weight on the input scales the rows in
-    torch ops (forward, and again with the weights' gradient in the backward)."""
+    torch ops (forward, and again with the weights' gradient in the backward). A per-expert loop's
+    weights are stacked first (stacked_bytes: a copy, and its gradient split back). The dense spelling
+    (every expert on every token, gates zero outside the top k) runs E / k times the FLOPs as batched
+    GEMMs, and its [T, E, .] intermediates."""
     p = ctx.profile
     rows, width, ffn = shape["tokens"] * shape["top_k"], shape["width"], shape["ffn"]
     b, g = torch.empty(0, dtype=shape["dtype"]).element_size(), 2 if shape["gated"] else 1
@@ -424,8 +427,12 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         slots += 2 * rows * width * 4 + out + rows * (g + 1) * ffn * b  # d slots; the saved activations read
     passes_bw = p.bandwidth * p.default_efficiency
     if not p.moe:
-        base = flops / (p.matmul_flops * p.gemm[1]) + spelling / passes_bw
-        return Estimate(base, base, gemm_io + spelling, gemm_io + spelling, ctx.baseline,
+        ours = flops / (p.matmul_flops * p.gemm[1]) + spelling / passes_bw
+        if shape.get("spelling") in ("dense", "per-expert"):
+            return Estimate(ours, _unfused_moe_s(shape, flops, spelling, ctx), gemm_io + spelling,
+                            gemm_io + spelling, ctx.baseline, f"grouped GEMMs not measured on {p.name}: the "
+                            f"{shape['spelling']} spelling's GEMMs at its plain GEMM efficiency")
+        return Estimate(ours, ours, gemm_io + spelling, gemm_io + spelling, ctx.baseline,
                         f"grouped GEMMs not measured on {p.name}: assumed equal to {ctx.baseline}")
     triton_eff, gmm_eff, factors = p.moe
     spelling_factor = factors.get(shape.get("spelling", "grouped_mm"), factors["grouped_mm"])
@@ -433,6 +440,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         spelling_factor *= 2  # one kernel per op, not Inductor's fused passes
     gmm_s = flops / (p.matmul_flops * gmm_eff)
     base = gmm_s + spelling * spelling_factor / passes_bw
+    if shape.get("spelling") in ("dense", "per-expert"):
+        base = _unfused_moe_s(shape, flops, spelling, ctx)
     if impl == "triton":
         ours_bytes, ours = gemm_io + slots, flops / (p.matmul_flops * triton_eff) + slots / passes_bw
         eff = triton_eff
@@ -443,9 +452,30 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         if shape.get("scale_input"):  # rows scaled in fp32 (forward; backward: again, and the weights' dot)
             passes += rows * width * 20 + (rows * width * 54 if ctx.training else 0)
         ours_bytes, ours, eff = gemm_io + passes, gmm_s + passes / passes_bw, gmm_eff
+    stacked = shape.get("stacked_bytes", 0) * (3 if ctx.training else 2)  # a ModuleList's weights copied to [E, ...]
+    ours, ours_bytes = ours + stacked / passes_bw, ours_bytes + stacked
     return Estimate(ours, base, ours_bytes, gemm_io + spelling, ctx.baseline,
                     f"{flops / 1e9:.1f} GFLOP; grouped GEMMs at {eff:.0%} of {p.matmul_flops / 1e12:.0f} TFLOP/s "
                     f"(torch's grouped_mm {gmm_eff:.0%}; the spelling's passes x{spelling_factor:.1f}, {p.name} profile)")
+
+
+# a per-expert loop captured in one graph waits on the host once an expert (torch.where's size): the
+# transformers 4.x Mixtral block under Inductor ran 7.84 ms wall for 5.05 ms of kernels with 8 experts
+# (benchmarks/runs/2026-12-04-h200-moe-spellings.json): 0.35 ms an expert, forward and backward
+LOOP_EXPERT_S = 350e-6
+
+
+def _unfused_moe_s(shape: dict, flops: float, spelling: float, ctx: CostContext) -> float:
+    """The spellings without grouped GEMMs, as plain GEMMs with the spelling's passes: the dense one
+    runs every expert on every token (E / k times the routed work, no row gathers), a per-expert loop
+    one small GEMM each and a host sync an expert."""
+    p, b = ctx.profile, torch.empty(0, dtype=shape["dtype"]).element_size()
+    bandwidth = p.bandwidth * p.default_efficiency
+    if shape["spelling"] == "per-expert":
+        stall = LOOP_EXPERT_S if ctx.training else LOOP_EXPERT_S / 2
+        return flops / (p.matmul_flops * p.gemm[1]) + spelling / bandwidth + shape["experts"] * stall
+    gathers = shape["tokens"] * shape["top_k"] * shape["width"] * b * 2 * (2 if ctx.training else 1)
+    return (flops / (p.matmul_flops * p.gemm[1]) + (spelling - gathers) / bandwidth) * shape["experts"] / shape["top_k"]
 
 
 def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext) -> Estimate:

@@ -228,6 +228,13 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
     applied = moe.rewrite(gm, config, log, graph_id, needs_grad)
     if applied:
         needs_grad = _needs_grad(gm, grad_inputs)
+    dynamic = next((n for n in gm.graph.nodes if _compat.has_unbacked(n.meta.get("val"))), None)
+    if dynamic is not None:  # the patterns below assume sizes known at compile time
+        log.add(Decision(graph_id, "-", "-", "fallback", f"data-dependent sizes in the graph ({dynamic.name}, "
+                         f"{dynamic.target}): the families after MoE are skipped, the rest goes to {config.handoff}",
+                         location(dynamic), ()))
+        gm.recompile()
+        return applied
     for pattern in patterns:
         if not config.enables(pattern):
             continue

@@ -15,6 +15,7 @@
     before (experts_implementation="batched_mm"):
         rows = x.repeat_interleave(k);  a = bmm(w_gate_up[index.view(-1)], rows[..., None]) ...
         out = (y * weight.view(-1, 1)).view(T, k, D).sum(1)
+    before (the dense spelling, every expert on every token weighted by top-k gates): patterns/moe_dense.py
     after:
         out = fusion.moe_experts(x, index, weight, [w_gate_up, w_down], layout, act, impl)[0]
 
@@ -44,6 +45,7 @@ from fusion_compiler.canonical import is_float_cast, val
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.ops import moe as moe_op
+from fusion_compiler.patterns import moe_dense, moe_loop
 from fusion_compiler.patterns.checks import float_dtype, one_device
 
 FAMILY = "moe"
@@ -53,8 +55,11 @@ DESCRIPTORS = (DESCRIPTOR, LOOP_DESCRIPTOR)
 KERNEL = "fusion::moe_experts"
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-LOOP_ADVICE = ("the per-expert loop breaks the graph at .nonzero(); build the HF model with "
-               "experts_implementation='grouped_mm' (the transformers 5.x default) so the MoE stays in one graph")
+LOOP_ADVICE = ("the per-expert loop breaks the graph at .nonzero() (a loop over the experts hit depends on the "
+               "data); build the HF model with experts_implementation='grouped_mm' (the transformers 5.x default) "
+               "so the MoE stays in one graph; a loop over range(num_experts) (transformers 4.x) is one graph "
+               "when compiled with fusion_compiler.compile(model) (or with "
+               "torch._dynamo.config.capture_dynamic_output_shape_ops = True)")
 
 
 @dataclasses.dataclass
@@ -70,6 +75,19 @@ class Experts:
     spelling: str
     base: fx.Node | None = None  # what the experts' sum is added to (a shared expert's output), if anything
     scale_input: bool = False  # the routing weight scales the experts' input (torchtitan), not their output
+    stops: tuple = ()  # other nodes the region ends at (what the dense gates' zeros were shaped like)
+    stacked: bool = False  # weights holds per-expert lists (a ModuleList's), stacked to [E, ...] by the rewrite
+
+
+def weight_nodes(ex: Experts) -> list:
+    return [w for group in ex.weights for w in group] if ex.stacked else list(ex.weights)
+
+
+def weight_vals(ex: Experts) -> list:
+    """The op's weight operands' fake values ([E, ...] stacks of a ModuleList's weights)."""
+    if ex.stacked:
+        return [torch.stack([val(w) for w in group]) for group in ex.weights]
+    return [val(w) for w in ex.weights]
 
 
 def _call(node, *targets) -> bool:
@@ -149,6 +167,8 @@ def _stored(b) -> tuple[fx.Node, bool] | None:
     """(the stored weight, transposed) of a grouped-mm right operand: w.transpose(-2, -1) reads a
     weight stored [E, N, K]; a 3-D weight used as is is stored [E, K, N] (transposed)."""
     if _call(b, aten.transpose.int) and sorted(b.args[1:]) == [-2, -1] and val(b).dim() == 3:
+        return b.args[0], False
+    if _call(b, aten.transpose.int, aten.permute.default) and _layout(b)[1] == [0, 2, 1]:
         return b.args[0], False
     return (b, True) if isinstance(b, fx.Node) and val(b) is not None and val(b).dim() == 3 else None
 
@@ -356,12 +376,29 @@ def _scattered_combine(y, perm, rows_scaled: bool) -> tuple | None:
 
 
 def _experts(x, index, weight, weights, layout, transposed, act, total, spelling, base=None,
-             scale_input=False) -> Experts | str:
+             scale_input=False, stops=()) -> Experts | str:
     ending = _ending(total, x)
     if isinstance(ending, str):
         return ending
-    return Experts(x, index, weight, weights, layout + ("_t" if transposed else ""), act, ending[0], ending[1], spelling,
-                   base, scale_input)
+    return Experts(x, index, weight, weights, layout + ("_t" if transposed else ""), act, ending[0], ending[1],
+                   spelling, base, scale_input, stops)
+
+
+# --- layouts ------------------------------------------------------------------------------------------
+def _layout(node) -> tuple[fx.Node, list]:
+    """(source, dims) for node = source.permute(dims) through transposes (.t() too) and permutes."""
+    dims = list(range(val(node).dim())) if val(node) is not None else []
+    while _call(node, aten.transpose.int, aten.permute.default, aten.t.default):
+        n = len(dims)
+        if node.target is not aten.permute.default:
+            i, j = (d % n for d in node.args[1:3]) if node.target is aten.transpose.int else (0, n - 1)
+            step = list(range(n))
+            step[i], step[j] = j, i
+        else:
+            step = [d % n for d in node.args[1]]
+        dims = [step[d] for d in dims]
+        node = node.args[0]
+    return node, dims
 
 
 # --- batched_mm spelling -------------------------------------------------------------------------------
@@ -438,12 +475,16 @@ def find(node: fx.Node) -> Experts | str | None:
         return _grouped_spelling(node)
     if _call(node, aten.squeeze.dim):
         return _batched_spelling(node)
+    if _call(node, aten.matmul.default) and val(node).dim() == 3:
+        return moe_dense.find(node)
+    if _call(node, aten.index_add.default):
+        return moe_loop.find(node)
     return None
 
 
 def _region(ex: Experts) -> set:
     """The nodes computing ex.out from its inputs (they die when ex.out is replaced)."""
-    stop = {ex.x, ex.index, ex.weight, *ex.weights} | ({ex.base} if ex.base is not None else set())
+    stop = {ex.x, ex.index, ex.weight, *weight_nodes(ex), *ex.stops} | ({ex.base} if ex.base is not None else set())
     region, todo = set(), [ex.out]
     while todo:
         node = todo.pop()
@@ -462,8 +503,30 @@ def _dead_mutations(region: set) -> list:
             and getattr(getattr(user.target, "_schema", None), "is_mutable", False) and user.args[0] is node]
 
 
+_SIZE_CHECKS = (aten.sym_size.int, aten._assert_scalar.default, operator.ge, operator.le, operator.lt, operator.gt,
+                operator.eq)
+
+
+def _size_checks(region: set) -> list:
+    """The runtime checks Dynamo adds on a data-dependent size of a region value (sym_size -> ge/le ->
+    _assert_scalar, kept by dead-code elimination as side effects): they die with the region. In
+    reverse order (each node before its inputs)."""
+    checks, todo = [], [u for n in region for u in n.users if u not in region and _call(u, *_SIZE_CHECKS)]
+    while todo:
+        node = todo.pop()
+        if node in checks or not _call(node, *_SIZE_CHECKS):
+            continue
+        checks.append(node)
+        todo.extend(node.users)
+    checked = set(checks)
+    if any(u not in checked and u not in region for n in checks for u in n.users):
+        return []  # a size read by something else: the region cannot go
+    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)} if region else {}
+    return sorted(checks, key=order.__getitem__, reverse=True)
+
+
 def _escape(ex: Experts, region: set) -> str | None:
-    dead = set(_dead_mutations(region))
+    dead = set(_dead_mutations(region)) | set(_size_checks(region))
     for node in region:
         if node is ex.out:
             continue
@@ -476,7 +539,7 @@ def _escape(ex: Experts, region: set) -> str | None:
 
 def _legal(ex: Experts, region: set) -> str | None:
     x, index, weight = val(ex.x), val(ex.index), val(ex.weight)
-    weights = [val(w) for w in ex.weights]
+    weights = weight_vals(ex)
     why = one_device([x, index, weight, *weights]) or float_dtype(x) or float_dtype(weight)
     if why:
         return why
@@ -496,22 +559,23 @@ def _legal(ex: Experts, region: set) -> str | None:
 
 
 def _grouped_mm_runs(ex: Experts) -> bool:
-    return moe_op.resolve_impl("grouped_mm", val(ex.x), ex.layout, [val(w) for w in ex.weights]) == "grouped_mm"
+    return moe_op.resolve_impl("grouped_mm", val(ex.x), ex.layout, weight_vals(ex)) == "grouped_mm"
 
 
 def _shape(ex: Experts) -> dict:
     x, index = val(ex.x), val(ex.index)
-    w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
+    w_gate, w_up, _ = moe_op.views(ex.layout, weight_vals(ex))
     return dict(tokens=x.shape[0], top_k=index.shape[1], width=x.shape[1], ffn=w_gate.shape[1],
                 experts=w_gate.shape[0], gated=w_up is not None, dtype=x.dtype, spelling=ex.spelling.split(" ")[0],
-                separate=moe_op.parse_layout(ex.layout)[0] == "separate", scale_input=ex.scale_input)
+                separate=moe_op.parse_layout(ex.layout)[0] == "separate", scale_input=ex.scale_input,
+                stacked_bytes=sum(w.numel() * w.element_size() for w in weight_vals(ex)) if ex.stacked else 0)
 
 
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     """Replace every routed-experts region that is legal and pays; one decision row each."""
     applied = 0
     if config.enables(LOOP_DESCRIPTOR):
-        _loop_breaks(gm, log, gid)
+        moe_loop.report_breaks(gm, log, gid)
     if not config.enables(DESCRIPTOR):
         return 0
     for node in list(gm.graph.nodes):
@@ -533,7 +597,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
 
 
 def _row(gid, ex: Experts, verdict: str, reason: str, estimate=None) -> Decision:
-    inputs = [val(ex.x), val(ex.index), val(ex.weight), *[val(w) for w in ex.weights]]
+    inputs = [val(ex.x), val(ex.index), val(ex.weight), *weight_vals(ex)]
     return Decision(gid, DESCRIPTOR.name, FAMILY, verdict, f"{ex.spelling} spelling, {ex.layout}, {ex.act}: {reason}",
                     location(ex.out), tuple(describe(v) for v in inputs),
                     bytes_saved=estimate.bytes_saved if estimate else None,
@@ -566,7 +630,7 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
     choice = f"impl {impl}" + (f" (over {others})" if others else "")
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, ex, "rejected", f"{choice}; {estimate.reason()}", estimate), 0
-    for node in _dead_mutations(region):
+    for node in _dead_mutations(region) + _size_checks(region):
         gm.graph.erase_node(node)
     _replace(gm, ex, impl)
     reason = estimate.reason() if config.cost_model == "roofline" else \
@@ -577,8 +641,13 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
 def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
     graph = gm.graph
     x = val(ex.x)
-    args = (ex.x, ex.index, ex.weight, list(ex.weights), ex.layout, ex.act, impl, ex.scale_input)
     with graph.inserting_before(ex.out):
+        weights = list(ex.weights)
+        if ex.stacked:  # a ModuleList's weights, one [E, ...] tensor each (one copy; autograd splits the gradient)
+            weights = [graph.call_function(aten.stack.default, (group,)) for group in ex.weights]
+            for node, value in zip(weights, weight_vals(ex)):
+                node.meta["val"] = value
+        args = (ex.x, ex.index, ex.weight, weights, ex.layout, ex.act, impl, ex.scale_input)
         call = graph.call_function(torch.ops.fusion.moe_experts.default, args)
         out = graph.call_function(operator.getitem, (call, 0))
         nodes = [call, out]
@@ -588,7 +657,7 @@ def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
         for shape in ex.views:
             out = graph.call_function(aten.view.default, (out, shape))
             nodes.append(out)
-    w_gate, w_up, _ = moe_op.views(ex.layout, [val(w) for w in ex.weights])
+    w_gate, w_up, _ = moe_op.views(ex.layout, weight_vals(ex))
     rows, ffn = val(ex.index).numel(), w_gate.shape[1]
     index = val(ex.index)
     y_shape = (rows, x.shape[1]) if impl == "grouped_mm" and not ex.scale_input else (0,)
@@ -606,37 +675,3 @@ def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
         if "stack_trace" in ex.out.meta:
             node.meta["stack_trace"] = ex.out.meta["stack_trace"]
     ex.out.replace_all_uses_with(out)
-
-
-# --- the per-expert loop, broken --------------------------------------------------------------------------
-def _expert_ids(node) -> fx.Node | None:
-    """ids for node = one_hot(ids) or its decomposition eq(ids.unsqueeze(-1), arange(E)), where ids
-    [T, k] are top-k expert ids computed here or handed over by the previous graph."""
-    if _call(node, aten.one_hot.default):
-        ids = node.args[0]
-    elif _call(node, aten.eq.Tensor) and _call(node.args[0], aten.unsqueeze.default) and _call(
-            node.args[1], aten.arange.default, aten.arange.start):
-        ids = node.args[0].args[0]
-    else:
-        return None
-    from_topk = _call(ids, operator.getitem) and ids.args[1] == 1 and _call(ids.args[0], aten.topk.default)
-    return ids if (from_topk or ids.op == "placeholder") and val(ids).dim() == 2 else None
-
-
-def _loop_breaks(gm: fx.GraphModule, log, gid: int) -> None:
-    """An expert mask of top-k ids that leaves the graph (within a few casts, detaches and permutes):
-    the per-expert loop continues in the next graph, cut at .nonzero(). One near-miss row and a
-    warning per graph."""
-    for node in gm.graph.nodes:
-        ids = _expert_ids(node)
-        if ids is None:
-            continue
-        reach, frontier = set(), {node}
-        for _ in range(6):
-            frontier = {u for n in frontier for u in n.users} - reach
-            reach |= frontier
-        if any(n.op == "output" for n in reach):
-            log.add(Decision(gid, LOOP_DESCRIPTOR.name, FAMILY, "near-miss", LOOP_ADVICE, location(node),
-                             (describe(val(ids)),), kernel=KERNEL))
-            warnings.warn(f"fusion_compiler: MoE experts not fused: {LOOP_ADVICE}", stacklevel=2)
-            return

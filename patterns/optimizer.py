@@ -169,8 +169,9 @@ def _restack(graph: fx.Graph, values: list, roots: fx.Node) -> None:
     """clip_grad_norm_ stacks the norms it took (torch.stack(norms)): a stack of all of them in order
     is `roots` itself (Inductor would otherwise copy them back into a new tensor, kernels of their own)."""
     for user in list(values[0].users):
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
         if user.op == "call_function" and user.target is aten.stack.default and list(user.args[0]) == values \
-                and all(v.target is aten.select.int for v in values) and (user.args[1:] or user.kwargs.get("dim", 0)) in (0, (0,)):
+                and all(v.target is aten.select.int for v in values) and dim == 0:
             user.replace_all_uses_with(roots)
             graph.erase_node(user)
 

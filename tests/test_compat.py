@@ -51,3 +51,16 @@ def test_recompute_policy_reaches_the_joint_graph_and_the_partitioner():
     node.meta[_compat.RECOMPUTE_META] = _compat.CheckpointPolicy.PREFER_RECOMPUTE
     assert partitioners.must_recompute(node)
     assert hasattr(torch._inductor.config, "joint_custom_pre_pass")  # recompute.JointCheck's hook
+
+
+def test_dynamic_output_capture_setting_and_unbacked_sizes():
+    """The Dynamo setting the backend enters (backend_ctx_ctor) exists and captures torch.where(mask)."""
+    assert torch._dynamo.config.capture_dynamic_output_shape_ops is False  # the default, restored on exit
+    with _compat.capture_dynamic_output_shapes():
+        assert torch._dynamo.config.capture_dynamic_output_shape_ops is True
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    env = ShapeEnv()
+    with _compat.FakeTensorMode(shape_env=env) as mode:
+        rows = torch.nonzero(mode.from_tensor(torch.tensor([0, 1, 1])))
+        static = mode.from_tensor(torch.empty(3, 2))
+    assert _compat.has_unbacked(rows) and _compat.has_unbacked((static, rows)) and not _compat.has_unbacked(static)

@@ -151,7 +151,11 @@ def _wanted(layout: str, view_index: int, needs: list[bool]) -> bool:
 def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs, scale_input=False):
     shapes = [x.shape, weight.shape] + [w.shape for w in weights]
     dtypes = [x.dtype, weight.dtype] + [w.dtype for w in weights]
-    return [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
+    grads = [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
+    if parse_layout(layout)[1] and resolve_impl(impl, x, layout, weights) == "grouped_mm":
+        # grouped_mm computes a transposed layout's weight gradients [E, N, K] and returns them transposed
+        grads[2:] = [g.transpose(1, 2).contiguous().transpose(1, 2) if g.dim() == 3 else g for g in grads[2:]]
+    return grads
 
 
 def _setup(ctx, inputs, output):
