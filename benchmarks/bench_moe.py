@@ -6,7 +6,9 @@ Configs (../shared/anchors/): reference = 8 experts, top-2, hidden 2048, ffn 409
 fine = 128 experts, top-8, hidden 2048, ffn 768, 16384 tokens.
 Rows: hf_loop (experts_implementation="eager", eager; --loop, reference only), hf_grouped_mm (HF's
 default, eager; `--spellings titan_before titan_after`: torchtitan's spelling instead, `TitanMoE`), inductor (torch.compile of the default), fusion (backend="fusion": the cost model
-decides), fusion_triton / fusion_grouped_mm (the rewrite forced, moe_impl fixed).
+decides), fusion_triton / fusion_grouped_mm (the rewrite forced, moe_impl fixed); `--spellings dense
+loop4x`: benchmarks/moe_spellings.py's dense einsum MoE and transformers 4.x's per-expert loop
+(compiled through fusion_compiler.compile, which keeps that loop in one graph).
 GPU time is the profiler's kernel sum over a fwd+bwd; wall is do_bench's median of the same step;
 peak is the memory allocated during one step above what was allocated before it. Each compiled
 result is checked against eager first (output and input gradient, relative error).
@@ -21,12 +23,16 @@ import torch
 
 import fusion_compiler as fc
 from common import bench_ms, env, save, table, time_and_peak
+from moe_spellings import DenseMoE, LoopMoE4x
 
 CONFIGS = {"reference": dict(experts=8, top_k=2, hidden=2048, ffn=4096, tokens=8192),
            "fine": dict(experts=128, top_k=8, hidden=2048, ffn=768, tokens=16384)}
 
 
 def block(cfg: dict, impl: str):
+    if impl in ("dense", "loop4x"):
+        torch.manual_seed(0)
+        return (DenseMoE if impl == "dense" else LoopMoE4x)(cfg).to("cuda", torch.bfloat16)
     if impl.startswith("titan"):
         torch.manual_seed(0)
         return TitanMoE(cfg, impl == "titan_before").to("cuda", torch.bfloat16)
@@ -149,6 +155,7 @@ def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grou
         for impl in impls:
             variants[f"fusion_{impl}" if impl != "auto" else "fusion"] = (spelling, impl)
         for label, (experts_impl, how) in variants.items():
+            torch.compiler.reset()  # a frame compiled by an earlier row keeps its graph breaks (the 4.x loop's)
             m = block(cfg, experts_impl)
             be = None
             if how == "inductor":
@@ -157,7 +164,7 @@ def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grou
                 # forced rows: the MoE rewrite alone, whatever the cost model says
                 be = fc.backend(moe_impl=how) if how == "auto" else \
                     fc.backend(moe_impl=how, cost_model="always", patterns={"moe_experts"})
-                m = torch.compile(m, backend=be, dynamic=False)
+                m = fc.compile(m, be, dynamic=False)  # (its Dynamo setting keeps the 4.x loop in one graph)
             row = {"config": name, "spelling": spelling, "impl": label}
             try:
                 out = m(x)
@@ -194,7 +201,8 @@ def main():
     ap.add_argument("--loop", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="the 10 most expensive kernels of each row")
     ap.add_argument("--spellings", nargs="+", default=["grouped_mm"],
-                    help="grouped_mm (HF's default), titan_before / titan_after (torchtitan's, scores before or after)")
+                    help="grouped_mm (HF's default), titan_before / titan_after (torchtitan's, scores before or "
+                         "after), dense (every expert on every token, top-k gates), loop4x (transformers 4.x)")
     args = ap.parse_args()
     payload = {"env": env(), "configs": {n: CONFIGS[n] for n in args.configs}}
     if args.sweep:
