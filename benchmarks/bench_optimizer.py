@@ -114,7 +114,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--for-loop", action="store_true", help="compile the for-loop spelling instead of foreach")
-    ap.add_argument("--blocks", nargs="*", default=["1024x4:4096x8"],
+    mt = multi_tensor
+    default = f"{mt.BLOCK}x{mt.WARPS}:{mt.NORM_BLOCK}x{mt.NORM_WARPS}x{mt.NORM_PER}"
+    ap.add_argument("--blocks", nargs="*", default=[default],
                     help="BLOCKxWARPS[:NORM_BLOCKxNORM_WARPS[xNORM_PER]]: all are timed in the fusion modes named by "
                          "--sweep, the first elsewhere")
     ap.add_argument("--sweep", nargs="*", default=["fusion"], help="modes timed with every --blocks entry")

@@ -39,6 +39,8 @@ class DeviceProfile:
     # achieved bandwidth / `bandwidth` of multi-tensor updates: (ours, Inductor on foreach ops,
     # Inductor on per-tensor (for-loop) ops)
     multi_tensor: tuple = ()
+    # the same for a global-norm clip's sum-of-squares pass over the gradients: (ours, Inductor's)
+    clip_norm: tuple = ()
     # fraction of matmul_flops reached on a large GEMM: (our generated kernel, cuBLAS); and our
     # GEMM + epilogue backward's time over Inductor's (the derivative pass, the side partials)
     gemm: tuple = (0.75, 0.9)
@@ -101,6 +103,10 @@ _LINEAR_CE_H200 = ((32000, 0.99), (128256, 1.08), (1 << 30, 1.12))
 # AdamW, 42 fp32 tensors, 468.7M parameters (runs/2026-12-03-h200-optimizer-4.json, -2-forloop.json): ours 4.13 TB/s,
 # Inductor 4.21 on the foreach graph and 3.95 on the for-loop graph; over the 4.3 TB/s of the profile
 _MULTI_TENSOR_H200 = (0.96, 0.98, 0.92)
+# the clip's norm pass over those gradients (runs/2026-12-04-h200-sum-squares.json, -optimizer-restack.json):
+# ours 0.418 ms (4.49 TB/s); Inductor's clip + AdamW 4.264 ms against its AdamW 3.113, of which the
+# clipped store at its update rate is 0.445 ms, so its norm 0.706 ms (2.66 TB/s)
+_CLIP_NORM_H200 = (1.04, 0.62)
 # GEMM + epilogue, bf16 (benchmarks/runs/2026-12-03-h200-gemm-{2,3}.json): Linear(8192, 8192) on 1024
 # rows, 137 GFLOP: our kernel (TMA loads, untuned) with its epilogue 0.218 ms (80% of 790 TFLOP/s;
 # forced, run 3), cuBLAS ~0.178 ms (98%); fwd+bwd of the fused regions ~1.13x Inductor's (16384 x 1024 -> 1024, run 2),
@@ -128,13 +134,13 @@ PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
-                          multi_tensor=_MULTI_TENSOR_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
-                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200,
-                          fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD),
+                          multi_tensor=_MULTI_TENSOR_H200, clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200,
+                          gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200,
+                          horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
-                          gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200,
-                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
+                          clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
+                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
                           fp8_overhead_s=_FP8_OVERHEAD),
 }
 REFERENCE = "h200"
@@ -335,22 +341,26 @@ def estimate_embedding(match, ctx: CostContext) -> Estimate:
 
 
 def estimate_multi_tensor(ours_bytes: int, inductor_bytes: int, eager_bytes: int, eager_ops: int, lanes: int,
-                          foreach: bool, ctx: CostContext) -> Estimate:
+                          foreach: bool, ctx: CostContext, norm_bytes: int = 0) -> Estimate:
     """A multi-tensor update (an optimizer step): one launch over all lanes, each slot read once and
     each written slot written once. Inductor fuses each lane's update too (the same bytes, unless our
     update skips a store) in per-lane kernels, grouped when the graph has foreach ops; its measured
     bandwidth depends on that spelling (DeviceProfile.multi_tensor). Eager launches every op of
-    every lane and moves every intermediate."""
+    every lane and moves every intermediate. norm_bytes: the gradients a global-norm clip in the same
+    graph reads first (our sum-of-squares launch, Inductor's norms: DeviceProfile.clip_norm)."""
     p = ctx.profile
     ours_eff, foreach_eff, loop_eff = p.multi_tensor or (p.default_efficiency,) * 3
-    ours_s = p.launch_s + ours_bytes / (p.bandwidth * ours_eff)
+    ours_norm, base_norm = p.clip_norm or (p.default_efficiency,) * 2
+    ours_s = p.launch_s + ours_bytes / (p.bandwidth * ours_eff) + norm_bytes / (p.bandwidth * ours_norm)
+    ours_bytes += norm_bytes
     if ctx.baseline == "inductor":
-        base_bytes = inductor_bytes
+        base_bytes = inductor_bytes + norm_bytes
         launches = -(-lanes // 8) if foreach else lanes
-        base_s = launches * p.launch_s + inductor_bytes / (p.bandwidth * (foreach_eff if foreach else loop_eff))
+        base_s = launches * p.launch_s + inductor_bytes / (p.bandwidth * (foreach_eff if foreach else loop_eff)) + \
+            norm_bytes / (p.bandwidth * base_norm)
     else:
-        base_bytes = eager_bytes
-        base_s = eager_ops * p.launch_s + eager_bytes / (p.bandwidth * p.eager_efficiency)
+        base_bytes = eager_bytes + norm_bytes
+        base_s = eager_ops * p.launch_s + base_bytes / (p.bandwidth * p.eager_efficiency)
     spelling = "foreach" if foreach else "for-loop"
     return Estimate(ours_s, base_s, ours_bytes, base_bytes, ctx.baseline, note=f"{lanes} tensors, {spelling} spelling")
 

@@ -77,9 +77,11 @@ def _bytes(lane, example: dict) -> tuple[int, int, int, int]:
     return ours, inductor, eager, len(lane.values)
 
 
-def _estimate(group, example, foreach: bool, ctx) -> cost.Estimate:
+def _estimate(group, example, foreach: bool, ctx, normed: set) -> cost.Estimate:
     totals = [sum(values) for values in zip(*(_bytes(lane, example) for lane in group))]
-    return cost.estimate_multi_tensor(*totals, len(group), foreach, ctx)
+    norm_bytes = sum(example[ph].numel() * example[ph].element_size() for lane in group
+                     for ph in {*lane.reads, *lane.writes} if ph in normed)
+    return cost.estimate_multi_tensor(*totals, len(group), foreach, ctx, norm_bytes)
 
 
 def _kernel_failure(program, device) -> str | None:
@@ -126,6 +128,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
     why = state_update.residual_reason(vals, candidates)
     device = next(iter(example[lane.writes[0]].device for lane in candidates), torch.device("cpu"))
     ctx = cost.CostContext(cost.profile_for(device, config.device_profile), config.baseline, False)
+    normed = {n.args[0] for norms in _norm_groups(gm, example) for n in norms} if config.enables(CLIP) else set()
     applied = []
     for group in groups.values():
         name = classify(group[0].program, sum(ph not in gradients for ph in group[0].writes) - 1)
@@ -140,7 +143,7 @@ def rewrite(gm: fx.GraphModule, example_inputs, grads: set, foreach: bool, confi
         if failure:
             rows.append((name, "rejected", failure, group))
             continue
-        estimate = _estimate(group, example, foreach, ctx)
+        estimate = _estimate(group, example, foreach, ctx, normed)
         if config.cost_model == "always" or estimate.profitable:
             applied.append(group)
             forced = "cost model off (cost_model='always'); " if config.cost_model == "always" else ""
@@ -176,9 +179,8 @@ def _restack(graph: fx.Graph, values: list, roots: fx.Node) -> None:
             graph.erase_node(user)
 
 
-def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
-    """2-norms of several graph inputs of one dtype and device (a global-norm clip's first pass)
-    become one fusion::multi_tensor_sum_squares launch; returns how many norms it took."""
+def _norm_groups(gm: fx.GraphModule, example: dict) -> list:
+    """The 2-norms of graph inputs that fuse_norms takes, by dtype and device (two or more each)."""
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == aten.linalg_vector_norm.default and len(n.args) >= 1 \
@@ -187,10 +189,14 @@ def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
             t = example[n.args[0]]
             if float_dtype(t) is None and t.is_contiguous() and can_launch(t.device) is None:
                 groups.setdefault((t.dtype, t.device), []).append(n)
+    return [norms for norms in groups.values() if len(norms) >= 2]
+
+
+def fuse_norms(gm: fx.GraphModule, example: dict) -> int:
+    """2-norms of several graph inputs of one dtype and device (a global-norm clip's first pass)
+    become one fusion::multi_tensor_sum_squares launch; returns how many norms it took."""
     taken = 0
-    for norms in groups.values():
-        if len(norms) < 2:
-            continue
+    for norms in _norm_groups(gm, example):
         first = min(norms, key=list(gm.graph.nodes).index)
         with gm.graph.inserting_before(first):
             sums = gm.graph.call_function(torch.ops.fusion.multi_tensor_sum_squares.default,
