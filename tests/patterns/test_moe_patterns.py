@@ -551,3 +551,35 @@ def test_per_expert_loop_cost_counts_its_host_syncs_and_our_weight_copy():
         assert cost.estimate_moe(dict(shape, stacked_bytes=weights), "grouped_mm", ctx).profitable
     copied, plain = (cost.estimate_moe(dict(shape, stacked_bytes=n), "grouped_mm", h200) for n in (weights, 0))
     assert copied.ours_s > plain.ours_s and copied.ours_bytes == plain.ours_bytes + 3 * weights
+
+
+class SharedExpertLoop4x(LoopMoE4x):
+    """transformers 4.x's Qwen2-MoE block: the routed loop (rows as x[top_x]) plus a shared expert
+    behind a sigmoid gate; bf16."""
+
+    def __init__(self):
+        super().__init__(top_k=2)
+        self.shared = Expert4x()
+        self.shared_gate = torch.nn.Linear(HIDDEN, 1, bias=False)
+
+    def forward(self, hidden_states):
+        batch, seq, dim = hidden_states.shape
+        x = hidden_states.view(-1, dim)
+        weights, selected = torch.topk(F.softmax(self.gate(x), dim=1, dtype=torch.float), self.top_k, dim=-1)
+        weights = weights.to(x.dtype)  # Qwen2-MoE: norm_topk_prob=False
+        final = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            idx, top_x = torch.where(mask[e])
+            current = self.experts[e](x[top_x]) * weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(x.dtype))
+        final = final + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return final.view(batch, seq, dim)
+
+
+def test_per_expert_loop_with_a_shared_expert_bf16():
+    be = check_block(lambda: SharedExpertLoop4x().to(torch.bfloat16),
+                     torch.randn(2, 9, HIDDEN, dtype=torch.bfloat16),
+                     tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"}, compiler=fc.compile)
+    [row] = _moe_rows(be)
+    assert row.verdict == "applied" and row.reason.startswith("per-expert loop")
