@@ -169,7 +169,7 @@ def _stored(b) -> tuple[fx.Node, bool] | None:
     if _call(b, aten.transpose.int) and sorted(b.args[1:]) == [-2, -1] and val(b).dim() == 3:
         return b.args[0], False
     if _call(b, aten.transpose.int, aten.permute.default) and _layout(b)[1] == [0, 2, 1]:
-        return b.args[0], False
+        return _layout(b)[0], False
     return (b, True) if isinstance(b, fx.Node) and val(b) is not None and val(b).dim() == 3 else None
 
 
