@@ -1,6 +1,6 @@
 """FP8 linears: the op alone against bf16 (fwd and fwd+bwd, quantization included), and a loss curve.
 
-    python benchmarks/bench_fp8.py [--parts linear train] [--steps 300]
+    python benchmarks/bench_fp8.py [--parts linear train] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
 
 linear: x [M, K] @ w [N, K]^T in bf16 (cuBLAS, as F.linear and Inductor run it) and as
 fusion::fp8_linear with each recipe, at 4096^3, 8192^3 and the Llama-8B MLP (8192 tokens, 4096 ->
@@ -8,7 +8,8 @@ fusion::fp8_linear with each recipe, at 4096^3, 8192^3 and the Llama-8B MLP (819
 bf16 results (dB). Also the bare torch._scaled_mm rate at 8192^3 (the cost model's figure).
 train: a small Llama (8 layers, hidden 1024, ffn 4096, vocab 2048, 8 x 512 tokens) trained `--steps`
 steps with AdamW (lr 1e-3) from one seed on a fixed random bigram language (8 successors per token), bf16 under Inductor against every
-linear in FP8 (rowwise, forced), the losses saved for the plot (plot_fp8.py).
+linear in FP8 (rowwise, forced; --train-modes: others, and bf16 in eager, whose distance from the
+Inductor curve is what rounding alone does), the losses saved for the plot (plot_fp8.py).
 """
 import argparse
 import json
@@ -96,8 +97,12 @@ def train(mode: str, steps: int) -> list:
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    be = "inductor" if mode == "bf16" else fc.backend(fp8="rowwise", cost_model="always", families={"fp8"})
-    fwd = torch.compile(model, backend=be)
+    if mode == "bf16_eager":  # the same math with eager's kernels: how far rounding alone moves the curve
+        fwd, be = model, None
+    else:
+        be = "inductor" if mode == "bf16" else fc.backend(fp8=mode[len("fp8_"):], cost_model="always",
+                                                          families={"fp8"})
+        fwd = torch.compile(model, backend=be)
     losses = []
     for ids in bigram_batches(steps):
         loss = fwd(input_ids=ids, labels=ids).loss
@@ -105,7 +110,7 @@ def train(mode: str, steps: int) -> list:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    if mode != "bf16":
+    if isinstance(be, fc.FusionBackend):
         print(fc.Report(be.log.decisions).summary(), flush=True)
     return losses
 
@@ -114,6 +119,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["linear", "train"])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
+                    help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
     args = ap.parse_args()
     payload = {"env": env()}
     if "linear" in args.parts:
@@ -122,11 +129,15 @@ def main():
         payload["linear"] = linear_rows()
         save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
     if "train" in args.parts:
-        payload["train"] = {mode: train(mode, args.steps) for mode in ("bf16", "fp8_rowwise")}
-        save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
-        a, b = payload["train"]["bf16"], payload["train"]["fp8_rowwise"]
+        payload["train"] = {}
+        for mode in args.train_modes:  # saved after each mode (a run cut short keeps what it has)
+            payload["train"][mode] = train(mode, args.steps)
+            save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
-        print(f"final loss (mean of last 20): bf16 {tail(a):.4f} fp8 {tail(b):.4f} ({(tail(b) / tail(a) - 1) * 100:+.2f}%)")
+        base = tail(payload["train"]["bf16"])
+        for mode, losses in payload["train"].items():
+            print(f"final loss (mean of last 20) {mode}: {tail(losses):.4f} ({(tail(losses) / base - 1) * 100:+.2f}% "
+                  f"vs bf16); at the last step {losses[-1]:.4f}")
     if "linear" in payload:
         print(table(payload["linear"], ["shape", "impl", "fwd_ms", "fwdbwd_ms", "fwd_x", "fwdbwd_x", "fwd_tflops",
                                         "fwdbwd_tflops", "sqnr_y", "sqnr_dx", "sqnr_dw"]))
