@@ -7,7 +7,7 @@ Forward:  xs = x[token]; a1 = gmm(xs, w_gate_up); h = act(gate) * up; y = gmm(h,
           out[t] = sum_j weight[t, j] * y[row(t, j)]                               (`combine`)
 Backward: dy = weight * dout[token] and d weight = <dout[token], y> in one pass (`_scatter_grad_kernel`);
           dh = gmm(dy, w_down^T); d a1 from the activation; dx = `combine` of gmm(d a1, w_gate_up^T);
-          dW_gate_up = gmm(d a1^T, xs), dW_down = gmm(dy^T, h)
+          dW_gate_up = gmm(d a1^T, xs) (xs saved by the forward), dW_down = gmm(dy^T, h)
 `gmm` is grouped over the experts' row ranges (`Routing.offsets`); weight gradients group over K.
 Needs unit-stride, 16-byte aligned rows and weights whose gate and up halves are one [E, 2F, D]
 tensor (or no gate): `supports` says why not otherwise.
@@ -137,9 +137,10 @@ def _rows(x, routing: Routing, scale_input: bool) -> torch.Tensor:
 
 
 def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
-    """(out, a1, h, y) as codegen.moe.forward plus y = the down projection's rows (the backward's
-    routing-weight gradient reads them; empty when the weight scales the input). `ups`: the first
-    projection's weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
+    """(out, a1, h, y, rows) as codegen.moe.forward plus y = the down projection's rows (the backward's
+    routing-weight gradient reads them; empty when the weight scales the input) and rows = the gathered
+    token rows (the up weights' gradient reads them: saved rather than gathered again). `ups`: the
+    first projection's weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
     ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
     rows = _rows(x, routing, scale_input)
     parts = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
@@ -148,13 +149,13 @@ def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale
     h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act) if gated else _ACT[act](a1)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
     out = combine(y, routing, _inverse(routing), x.shape[0], not scale_input, x.dtype)
-    return out, a1, h, (x.new_empty(0) if scale_input else y)
+    return out, a1, h, (x.new_empty(0) if scale_input else y), rows
 
 
 def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, gated: bool, scale_input: bool,
-             needs: tuple):
+             needs: tuple, rows_in=None):
     """(dx, d routing weights [T, k] fp32, [d up weights], d w_down), None where `needs` (x, weights,
-    each of ups, w_down) says no."""
+    each of ups, w_down) says no. rows_in: the forward's gathered rows (gathered again when absent)."""
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
     ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
     rows, width = routing.perm.numel(), x.shape[1]
@@ -192,7 +193,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, g
         dweight = flat.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)
     if any(needs[2:2 + len(ups)]):
-        inputs = _rows(x, routing, scale_input)  # rows past the groups are not read
+        inputs = rows_in if rows_in is not None and rows_in.numel() else _rows(x, routing, scale_input)
         d_ups = [grouped_mm(part.t(), inputs, offs=ends) if need else None
                  for part, need in zip(slices, needs[2:2 + len(ups)])]
     dw_down = grouped_mm(dy.t(), h, offs=ends) if needs[-1] else None

@@ -663,7 +663,8 @@ def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
     y_shape = (rows, x.shape[1]) if impl == "grouped_mm" and not ex.scale_input else (0,)
     call.meta["val"] = (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
                         x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
-                        index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
+                        index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32),
+                        x.new_empty((rows, x.shape[1]) if impl == "grouped_mm" else (0,)))
     current = call.meta["val"][0]
     nodes[1].meta["val"] = current
     if ex.base is not None:

@@ -23,8 +23,8 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.fp8_linear(x, w, recipe, emulate)      -> x @ w^T with all three training GEMMs in
                                                             FP8 (dynamic per-row or per-tensor scales)
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
-                                                            -> (routed experts' sum, saved a1, h, perm,
-                                                            offsets): grouped GEMMs over expert-sorted rows
+                                                            -> (routed experts' sum, saved a1, h, y, perm,
+                                                            offsets, rows): grouped GEMMs over sorted rows
 """
 from . import elementwise, embedding, fp8, gemm, loss, moe, multi_tensor, norm  # noqa: F401  (registers the ops)
 

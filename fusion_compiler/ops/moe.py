@@ -1,12 +1,13 @@
 """The routed-experts op (kernels in codegen/moe.py and codegen/moe_grouped_mm.py).
 
     fusion::moe_experts(x, index, weight, weights, layout, act, impl, scale_input=False)
-                                                                   -> (out, a1, h, y, perm, offsets)
+                                                                   -> (out, a1, h, y, perm, offsets, xs)
         out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) for x [T, D], index / weight [T, k]
         (scale_input: sum_j expert_{index[t, j]}(weight[t, j] * x[t]), torchtitan's score-before-experts);
         an expert is down(act(gate(x)) * up(x)) (gated) or down(act(up(x))).
-        a1, h, y, perm, offsets are what the backward reads (pre-activations, activations, the down
-        projection's rows on the grouped_mm path (empty on Triton's), the sort).
+        a1, h, y, perm, offsets, xs are what the backward reads (pre-activations, activations, the
+        down projection's rows and the gathered token rows on the grouped_mm path (empty on Triton's,
+        which gathers in its kernels), the sort).
     fusion::moe_experts_backward(...) -> [dx, d weight, d weights...]
 
 `weights` and `layout` say how the expert weights are stored, read in place:
@@ -89,7 +90,7 @@ def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> st
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str,
-                impl: str, scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                impl: str, scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
@@ -99,35 +100,37 @@ def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor],
         raise ValueError("fusion::moe_experts: scale_input (routing weights on the experts' input) runs on the "
                          "grouped_mm path only: bf16 on CUDA, 16-byte aligned, gate and up not interleaved")
     if path == "grouped_mm":
-        out, a1, h, y = moe_grouped_mm.forward(x, routing, _ups(layout, weights), w_down, act, gated, scale_input)
+        out, a1, h, y, xs = moe_grouped_mm.forward(x, routing, _ups(layout, weights), w_down, act, gated,
+                                                   scale_input)
     else:
         out, a1, h = kernels.forward(x, routing, w_gate, w_up, w_down, act, gated)
-        y = x.new_empty(0)
-    return out, a1, h, y, routing.perm, routing.offsets
+        y, xs = x.new_empty(0), x.new_empty(0)
+    return out, a1, h, y, routing.perm, routing.offsets, xs
 
 
 @moe_experts.register_fake
 def _(x, index, weight, weights, layout, act, impl, scale_input=False):
     w_gate, w_up, w_down = views(layout, weights)
     rows, ffn = index.numel(), w_gate.shape[1]
-    saves_y = resolve_impl(impl, x, layout, weights) == "grouped_mm" and not scale_input
-    y_shape = (rows, x.shape[1]) if saves_y else (0,)
+    grouped = resolve_impl(impl, x, layout, weights) == "grouped_mm"
+    y_shape = (rows, x.shape[1]) if grouped and not scale_input else (0,)
     return (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
             x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
-            index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32))
+            index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32),
+            x.new_empty((rows, x.shape[1]) if grouped else (0,)))
 
 
 @torch.library.custom_op("fusion::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, h: Tensor,
                          y: Tensor, perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
-                         needs: list[bool], scale_input: bool = False) -> list[Tensor]:
+                         needs: list[bool], scale_input: bool = False, xs: Tensor | None = None) -> list[Tensor]:
     """[dx, d weight, d weights...] (empty where `needs` (x, weight, each of weights) says no)."""
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.rebuild(perm, offsets, weight)
     gated = w_up is not None
     if resolve_impl(impl, x, layout, weights) == "grouped_mm":
         dx, dweight, d_ups, d_down = moe_grouped_mm.backward(dout, x, routing, _ups(layout, weights), w_down, a1, h,
-                                                              y, act, gated, scale_input, tuple(needs))
+                                                              y, act, gated, scale_input, tuple(needs), xs)
         transposed = parse_layout(layout)[1]
         dws = [None if d is None else (d.transpose(1, 2) if transposed else d) for d in (*d_ups, d_down)]
     else:
@@ -148,7 +151,7 @@ def _wanted(layout: str, view_index: int, needs: list[bool]) -> bool:
 
 
 @moe_experts_backward.register_fake
-def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs, scale_input=False):
+def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, needs, scale_input=False, xs=None):
     shapes = [x.shape, weight.shape] + [w.shape for w in weights]
     dtypes = [x.dtype, weight.dtype] + [w.dtype for w in weights]
     grads = [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
@@ -160,17 +163,17 @@ def _(dout, x, weight, weights, a1, h, y, perm, offsets, layout, act, impl, need
 
 def _setup(ctx, inputs, output):
     x, index, weight, weights, layout, act, impl, *rest = inputs
-    out, a1, h, y, perm, offsets = output
+    out, a1, h, y, perm, offsets, xs = output
     ctx.layout, ctx.act, ctx.impl, ctx.scale_input = layout, act, impl, bool(rest and rest[0])
     ctx.weight_needs = [w.requires_grad for w in weights]
-    ctx.save_for_backward(x, weight, a1, h, y, perm, offsets, *weights)
+    ctx.save_for_backward(x, weight, a1, h, y, perm, offsets, xs, *weights)
 
 
 def _grad(ctx, dout, *unused):
-    x, weight, a1, h, y, perm, offsets, *weights = ctx.saved_tensors
+    x, weight, a1, h, y, perm, offsets, xs, *weights = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]] + ctx.weight_needs
     grads = moe_experts_backward(dout, x, weight, weights, a1, h, y, perm, offsets, ctx.layout, ctx.act, ctx.impl,
-                                 needs, ctx.scale_input)
+                                 needs, ctx.scale_input, xs)
     dx, dweight, *dws = [g if need else None for g, need in zip(grads, needs)]
     # layout, act, impl and scale_input get no gradient (one None per argument the caller passed)
     return (dx, None, dweight, dws) + (None,) * (len(ctx.needs_input_grad) - 4)
