@@ -1,6 +1,8 @@
 """HF MoE models from small configs (random weights, no hub): Mixtral (with its router aux loss) and
 Qwen2-MoE (shared expert with a sigmoid gate beside the routed ones) train 3 steps under the fusion
-backend matching eager, with the routed experts of every layer one fusion::moe_experts call.
+backend matching eager, with the routed experts of every layer one fusion::moe_experts call; and
+Mixtral with transformers 4.x's per-expert ModuleList loop as every layer's MoE block, through
+fusion_compiler.compile.
 
 fp32; tolerances as tests/models/test_hf_models.py (loss 1e-5, every gradient 1e-3).
 """
@@ -33,3 +35,19 @@ def test_trains_with_every_layers_experts_fused(name, moe_impl):
     rows = [d for d in be.log.decisions if d.family == "moe"]
     assert [d.verdict for d in rows] == ["applied"] * LAYERS, rows
     assert all(f"impl {moe_impl}" in d.reason for d in rows)
+
+
+def _mixtral_with_4x_loops():
+    """HF Mixtral whose MoE blocks are transformers 4.x's (tests/patterns/test_moe_patterns.py's copy)."""
+    from tests.patterns.test_moe_patterns import LoopMoE4x
+    model = MixtralForCausalLM(MixtralConfig(**SMALL, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2))
+    for layer in model.model.layers:
+        layer.mlp = LoopMoE4x(experts=4, top_k=2, hidden=SMALL["hidden_size"], ffn=48)
+    return model
+
+
+def test_transformers_4x_loops_train_through_fusion_compile():
+    be = fc.backend(handoff="aot_eager", cost_model="always")
+    train_both_and_compare(_mixtral_with_4x_loops, be, compiler=fc.compile)
+    rows = [d for d in be.log.decisions if d.family == "moe"]
+    assert [d.verdict for d in rows] == ["applied"] * LAYERS and all("per-expert loop" in d.reason for d in rows)
