@@ -9,6 +9,7 @@ the GEMMs accumulate in another order), and with only the MoE family enabled: a 
 on the router's matmul would keep its fp32 accumulator, and a different rounding of the router logits
 can flip a top-k choice.
 """
+import copy
 import re
 
 import pytest
@@ -583,3 +584,17 @@ def test_per_expert_loop_with_a_shared_expert_bf16():
                      tol=2e-2, reference_dtype=torch.bfloat16, families={"moe"}, compiler=fc.compile)
     [row] = _moe_rows(be)
     assert row.verdict == "applied" and row.reason.startswith("per-expert loop")
+
+
+@pytest.mark.parametrize("spelling", ["dense", "loop"])
+def test_dense_and_loop_spellings_in_inference(spelling):
+    """Under no_grad (inference) both spellings still become the op and match eager in float64."""
+    torch.manual_seed(0)
+    module = (DenseMoE() if spelling == "dense" else LoopMoE4x()).requires_grad_(False)
+    x = torch.randn(2, 7, HIDDEN)
+    x = x.view(-1, HIDDEN) if spelling == "dense" else x
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    with torch.no_grad():
+        out = fc.compile(module, be)(x)
+        ref = copy.deepcopy(module).double()(x.double())
+    assert rel_err(out, ref) <= 1e-5 and [r.verdict for r in _moe_rows(be)] == ["applied"]
