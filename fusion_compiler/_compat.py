@@ -53,8 +53,6 @@ grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 # the FP8 GEMM with per-tensor or per-row dequantization scales (torch 2.11-2.13: private)
 scaled_mm = torch._scaled_mm
 
-
-
 # torch.compile's own entry into Dynamo; unlike torch.compile it keeps a backend's backend_ctx_ctor
 dynamo_optimize = torch._dynamo.optimize
 

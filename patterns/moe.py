@@ -640,12 +640,12 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
 
 def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
     graph = gm.graph
-    x = val(ex.x)
+    values = weight_vals(ex)
     with graph.inserting_before(ex.out):
         weights = list(ex.weights)
         if ex.stacked:  # a ModuleList's weights, one [E, ...] tensor each (one copy; autograd splits the gradient)
             weights = [graph.call_function(aten.stack.default, (group,)) for group in ex.weights]
-            for node, value in zip(weights, weight_vals(ex)):
+            for node, value in zip(weights, values):
                 node.meta["val"] = value
         args = (ex.x, ex.index, ex.weight, weights, ex.layout, ex.act, impl, ex.scale_input)
         call = graph.call_function(torch.ops.fusion.moe_experts.default, args)
@@ -657,14 +657,9 @@ def _replace(gm: fx.GraphModule, ex: Experts, impl: str) -> None:
         for shape in ex.views:
             out = graph.call_function(aten.view.default, (out, shape))
             nodes.append(out)
-    w_gate, w_up, _ = moe_op.views(ex.layout, weight_vals(ex))
-    rows, ffn = val(ex.index).numel(), w_gate.shape[1]
-    index = val(ex.index)
-    y_shape = (rows, x.shape[1]) if impl == "grouped_mm" and not ex.scale_input else (0,)
-    call.meta["val"] = (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
-                        x.new_empty((rows, ffn)), x.new_empty(y_shape), index.new_empty((rows,), dtype=torch.int32),
-                        index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32),
-                        x.new_empty((rows, x.shape[1]) if impl == "grouped_mm" else (0,)))
+    # the op's own fake kernel gives its outputs' values (the operands' values are fake tensors)
+    call.meta["val"] = torch.ops.fusion.moe_experts.default(val(ex.x), val(ex.index), val(ex.weight), values,
+                                                             ex.layout, ex.act, impl, ex.scale_input)
     current = call.meta["val"][0]
     nodes[1].meta["val"] = current
     if ex.base is not None:

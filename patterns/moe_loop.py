@@ -175,8 +175,7 @@ def find(last: fx.Node) -> "core.Experts | str | None":
         return None  # not every expert once (a loop over the experts hit is data-dependent: not captured)
     links.sort(key=lambda link: link["e"])
     groups = [[link["ups"][i] for link in links] for i in range(len(first["ups"]))] + [[link["down"] for link in links]]
-    if any(len({tuple(val(w).shape) for w in group} | {val(group[0]).dim()}) != 2 or val(group[0]).dim() != 2
-           for group in groups):
+    if any(len({tuple(val(w).shape) for w in group}) != 1 for group in groups):  # (2-D: mm operands)
         return "the experts' weights differ in shape"
     layout = "separate" if len(first["ups"]) == 2 else "up"
     ex = core._experts(first["x"], ids, first["weight"], groups, layout, False, first["act"], last,

@@ -89,8 +89,8 @@ def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> st
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str,
-                impl: str, scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str, impl: str,
+                scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
