@@ -22,7 +22,7 @@ import os
 import torch
 
 import fusion_compiler as fc
-from common import bench_ms, env, save, table, time_and_peak
+from common import bench_ms, env, kernels_ms, save, table, time_and_peak
 from moe_spellings import DenseMoE, LoopMoE4x
 
 CONFIGS = {"reference": dict(experts=8, top_k=2, hidden=2048, ffn=4096, tokens=8192),
@@ -124,19 +124,6 @@ def sweep(cfg: dict) -> dict:
         found[name] = {"times_ms": times, "chosen": best}
         print(name, json.dumps(times), "->", best)
     return found
-
-
-def kernels_ms(step, top: int = 10) -> list:
-    """[(kernel name, GPU ms per step)] of the `top` most expensive kernels of one step."""
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
-    return [(e.key[:90], round(e.self_device_time_total / 5 / 1e3, 3)) for e in events]
 
 
 def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grouped_mm") -> list[dict]:

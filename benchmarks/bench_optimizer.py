@@ -23,7 +23,7 @@ import time
 import torch
 
 import fusion_compiler as fc
-from common import bench_gpu_ms, bench_ms, env, save, table
+from common import bench_gpu_ms, bench_ms, env, kernels_ms, save, table
 from fusion_compiler.codegen import multi_tensor
 
 
@@ -88,16 +88,6 @@ def make_step(mode: str, params, for_loop: bool):
     return step, opt, be
 
 
-def kernel_table(step, iters=10) -> str:
-    """The kernels of `iters` steps by device time (profiler), with their count."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60)
-
-
 def reference_error(mode, params, for_loop):
     """Max |p - p_eager| after one step from the same state (eager foreach as the reference)."""
     ours, ref = clone_params(params), clone_params(params)
@@ -149,7 +139,7 @@ def main():
             ms = bench_ms(step)
             gpu_ms = bench_gpu_ms(step)
             if args.profile:
-                print(mode, block, kernel_table(step), flush=True)
+                print(mode, block, kernels_ms(step), flush=True)
             per_param = 28 + (8 if mode.startswith("clip") else 0) - (4 if mode.endswith("skip_store") else 0)
             applied = sorted({d.pattern for d in be.log.decisions if d.verdict == "applied"}) if be else []
             fallbacks = [d.reason[:120] for d in be.log.decisions if d.verdict == "fallback"] if be else []

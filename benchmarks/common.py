@@ -46,6 +46,20 @@ def bench_gpu_ms(fn, iters=20) -> float:
     return total_us / iters / 1e3
 
 
+def kernels_ms(step, top: int = 10, iters: int = 5) -> list:
+    """[(kernel name, GPU ms per step, launches per step)] of the `top` most expensive kernels of a step
+    (profiler, after one warm-up step)."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
+    return [(e.key[:90], round(e.self_device_time_total / iters / 1e3, 3), e.count / iters) for e in events]
+
+
 def time_and_peak(step, iters=10) -> tuple[float, float]:
     """(GPU ms per call, GiB allocated during one call above what was allocated before it)."""
     step()
