@@ -598,3 +598,55 @@ def test_dense_and_loop_spellings_in_inference(spelling):
         out = fc.compile(module, be)(x)
         ref = copy.deepcopy(module).double()(x.double())
     assert rel_err(out, ref) <= 1e-5 and [r.verdict for r in _moe_rows(be)] == ["applied"]
+
+
+class LoopReturnsAnExpertOutput(LoopMoE4x):
+    """The last expert's weighted rows also leave the loop (an intermediate with another reader)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        weights, selected = torch.topk(F.softmax(self.gate(x), dim=1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        final = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            idx, top_x = torch.where(mask[e])
+            current = self.experts[e](x[None, top_x].reshape(-1, x.shape[-1])) * weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(x.dtype))
+        return final.view_as(hidden_states), current.sum()
+
+
+class DenseMixedOrientation(DenseMoE):
+    """Up stored [E, F, D] and used transposed, down stored [E, F, D] and used as is."""
+
+    def __init__(self):
+        super().__init__(weights="up")
+        self.w_down_t = torch.nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) * FFN ** -0.5)
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        weight, index = torch.topk(probs, 2, dim=-1)
+        gates = torch.zeros_like(probs).scatter(1, index, weight)
+        h = F.gelu(torch.einsum("td,efd->tef", x, self.w_up_t))
+        return torch.einsum("ted,te->td", torch.einsum("tef,efd->ted", h, self.w_down_t), gates)
+
+
+@pytest.mark.parametrize("case", ["loop_escape", "dense_mixed", "dense_float64"])
+def test_new_spellings_near_misses_and_bad_input_stay_correct(case):
+    """An escaping intermediate or weights in mixed orientations: near-miss with the reason; float64:
+    rejected with the reason; the result is eager's in each case."""
+    torch.manual_seed(0)
+    module = {"loop_escape": LoopReturnsAnExpertOutput, "dense_mixed": DenseMixedOrientation,
+              "dense_float64": lambda: DenseMoE().double()}[case]()
+    x = torch.randn(2, 5, HIDDEN) if case == "loop_escape" else torch.randn(9, HIDDEN)
+    x = x.double() if case == "dense_float64" else x
+    be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always"))
+    out, ref = fc.compile(module, be)(x), module(x)
+    for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert rel_err(o, r) <= 1e-5
+    [row] = _moe_rows(be)
+    expected = {"loop_escape": ("near-miss", "is also used by"),
+                "dense_mixed": ("near-miss", "stored in different orientations"),
+                "dense_float64": ("rejected", "float64 not supported")}[case]
+    assert (row.verdict, expected[1] in row.reason) == (expected[0], True), row.reason
+    assert "fusion::moe_experts" not in fusion_ops(be)
