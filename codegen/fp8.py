@@ -1,13 +1,19 @@
-"""FP8 quantization for scaled GEMMs: one kernel reads a high-precision matrix once (twice for a
-per-row scale: the row's amax, then the cast, the second read from L2) and writes the FP8 matrix,
-row-major, with its dequantization scale.
+"""FP8 quantization for scaled GEMMs: a high-precision matrix becomes an FP8 matrix, row-major, with
+its dequantization scale.
 
     q = clamp(x * s, -MAX, MAX) in float8 (e4m3: MAX 448; e5m2: MAX 57344), s = MAX / amax,
     x ~= q / s: torch._scaled_mm takes 1 / s as the operand's scale.
 Per-row scales (rowwise recipes) are the row's amax; a per-tensor scale (tensorwise) is the amax of
-the whole matrix, reduced from per-row amaxes. The input is read through any strides, so a
-transposed operand (w^T for dx, dy^T and x^T for dW) is quantized straight into the row-major layout
-that _scaled_mm wants, without a transposed copy in high precision.
+the whole matrix, reduced from per-row amaxes. By layout:
+- rows contiguous (x, w, dy of the forward and dx): a row of up to ROW_MAX elements is read once,
+  its amax taken in registers and the row cast (one read, one write); longer rows and per-tensor
+  scales take an amax pass first.
+- rows strided, columns contiguous (the backward's w^T, dy^T, x^T: a transposed view): an amax pass
+  over 2-D tiles read along the contiguous dimension (partial maxima combined with atomics, so the
+  grid covers the whole matrix), then the cast over the same tiles, written transposed into the
+  row-major layout _scaled_mm wants; no transposed copy in high precision.
+`quantize_rows_tile` is the per-row step for other kernels that hold whole rows (codegen/rmsnorm.py:
+the norm writes its output's FP8 copy in the same pass).
 """
 import torch
 import triton
@@ -18,10 +24,15 @@ from .launch import alloc, interpreting
 FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 EPS = 1e-12  # amax floor: an all-zero row gets a finite scale
-
-
 # (mantissa bits, smallest normal, subnormal step) of each FP8 format
 GRID = {torch.float8_e4m3fn: (3, 2.0 ** -6, 2.0 ** -9), torch.float8_e5m2: (2, 2.0 ** -14, 2.0 ** -16)}
+ROW_MAX = 16384  # widest row cast from registers after one read
+
+
+def cast_args(dtype: torch.dtype) -> dict:
+    """The constexpr arguments of the cast to `dtype` for the kernels that call `cast`."""
+    return dict(FP8_TYPE=FP8[dtype], FP8_MAX=MAX[dtype], ROUND=interpreting(), MANT=GRID[dtype][0],
+                MIN_NORMAL=GRID[dtype][1], SUB_STEP=GRID[dtype][2])
 
 
 @triton.jit
@@ -37,55 +48,146 @@ def _round_to_grid(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_STEP: tl
 
 
 @triton.jit
-def _row_amax(X, row_mask, rows, R_STRIDE, C, C_STRIDE, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _scale(amax, FP8_MAX: tl.constexpr):
+    """s = MAX / amax (amax floored at EPS), in fp32 (the interpreter would keep fp64)."""
+    return (FP8_MAX / tl.maximum(amax, 1e-12)).to(tl.float32)
+
+
+@triton.jit
+def cast(x, scale, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+         MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr):
+    """x * scale (fp32, broadcast) clamped to the format's range, in FP8."""
+    q = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)
+    if ROUND:
+        q = tl.minimum(tl.maximum(_round_to_grid(q, MANT, MIN_NORMAL, SUB_STEP), -FP8_MAX), FP8_MAX)
+    return q.to(FP8_TYPE)
+
+
+@triton.jit
+def quantize_rows_tile(x, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+                       MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr):
+    """(q, inv) of a tile of whole rows in fp32 (masked entries 0): FP8 values and each row's
+    dequantization scale 1 / s."""
+    scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)
+    return cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP), 1.0 / scale
+
+
+@triton.jit
+def _row_amax_kernel(X, AMAX, R, C, s_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """AMAX[r] = max |X[r, :]|, rows contiguous."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        x = tl.load(X + rows[:, None].to(tl.int64) * R_STRIDE + cols[None, :] * C_STRIDE,
+        x = tl.load(X + rows[:, None].to(tl.int64) * s_r + cols[None, :],
                     mask=row_mask[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-    return amax
+    tl.store(AMAX + rows, amax, mask=row_mask)
 
 
 @triton.jit
-def _amax_kernel(X, AMAX, R, C, s_r, s_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """AMAX[r] = max |X[r, :]|."""
+def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r,
+                          AMAX_PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
+                          FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+                          MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows contiguous. ONE_TILE and AMAX_PER_ROW: the row's amax from the one read (AMAX unused);
+    else the scale from AMAX[r] (AMAX_PER_ROW) or AMAX[0] (per tensor). INV: per row, or INV[0]."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
-    tl.store(AMAX + rows, _row_amax(X, row_mask, rows, s_r, C, s_c, BLOCK_R, BLOCK_C), mask=row_mask)
+    base = X + rows[:, None].to(tl.int64) * s_r
+    out = Q + rows[:, None].to(tl.int64) * C
+    if ONE_TILE and AMAX_PER_ROW:
+        cols = tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < C)[None, :]
+        x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, inv = quantize_rows_tile(x, FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
+        tl.store(out + cols[None, :], q, mask=mask)
+        tl.store(INV + rows, inv, mask=row_mask)
+    else:
+        if AMAX_PER_ROW:
+            amax = tl.load(AMAX + rows, mask=row_mask, other=0.0)
+        else:
+            amax = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(AMAX)
+        scale = _scale(amax, FP8_MAX)
+        if AMAX_PER_ROW:
+            tl.store(INV + rows, 1.0 / scale, mask=row_mask)
+        elif tl.program_id(0) == 0:
+            tl.store(INV, tl.max(1.0 / scale, 0))
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = row_mask[:, None] & (cols < C)[None, :]
+            x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + cols[None, :], cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP),
+                     mask=mask)
 
 
 @triton.jit
-def _quantize_kernel(X, Q, INV, AMAX, R, C, s_r, s_c,
-                     PER_ROW: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr,
-                     ROUND: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Q[r, :] = clamp(X[r, :] * s) as FP8, row-major; INV[r] (per row) or INV[0] (tensorwise) = 1 / s."""
+def _strided_amax_kernel(X, AMAX, R, C, s_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+    """AMAX[r] = max(AMAX[r], max |X[r, c]| over this program's CHUNK columns); X[r, c] at r + c * s_c.
+    AMAX starts at 0 (amaxes are >= 0, so the atomic maximum over fp32 is exact)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
-    if PER_ROW:
-        amax = _row_amax(X, row_mask, rows, s_r, C, s_c, BLOCK_R, BLOCK_C)
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(tl.program_id(1) * CHUNK, tl.minimum(C, (tl.program_id(1) + 1) * CHUNK), BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        x = tl.load(X + rows[:, None] + cols[None, :].to(tl.int64) * s_c,
+                    mask=row_mask[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+    tl.atomic_max(AMAX + rows, amax, mask=row_mask)
+
+
+@triton.jit
+def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c, AMAX_PER_ROW: tl.constexpr,
+                             FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+                             MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One BLOCK_R x BLOCK_C tile of Q = cast(X) (X[r, c] at r + c * s_c, Q row-major), scales from AMAX."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < R
+    mask = row_mask[:, None] & (cols < C)[None, :]
+    if AMAX_PER_ROW:
+        amax = tl.load(AMAX + rows, mask=row_mask, other=0.0)
     else:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(AMAX)
-    scale = FP8_MAX / tl.maximum(amax, EPS_)
-    if PER_ROW:
-        tl.store(INV + rows, 1.0 / scale, mask=row_mask)
-    else:
-        if tl.program_id(0) == 0:
+    scale = _scale(amax, FP8_MAX)
+    if tl.program_id(1) == 0:
+        if AMAX_PER_ROW:
+            tl.store(INV + rows, 1.0 / scale, mask=row_mask)
+        elif tl.program_id(0) == 0:
             tl.store(INV, tl.max(1.0 / scale, 0))
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_mask[:, None] & (cols < C)[None, :]
-        x = tl.load(X + rows[:, None].to(tl.int64) * s_r + cols[None, :] * s_c, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x * scale[:, None], -FP8_MAX), FP8_MAX)
-        if ROUND:
-            q = tl.minimum(tl.maximum(_round_to_grid(q, MANT, MIN_NORMAL, SUB_STEP), -FP8_MAX), FP8_MAX)
-        tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q.to(FP8_TYPE), mask=mask)
+    x = tl.load(X + rows[:, None] + cols[None, :].to(tl.int64) * s_c, mask=mask, other=0.0).to(tl.float32)
+    q = cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
+    tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
 
 
-def _tiles(cols: int) -> tuple[int, int]:
-    block_c = min(triton.next_power_of_2(max(cols, 1)), 256 if interpreting() else 1024)
-    return (4 if interpreting() else 8), block_c
+# the strided layout's tiles: (BLOCK_R along the contiguous dimension, BLOCK_C, amax CHUNK, warps);
+# the best on the H200 for every operand of the reference Llama step (benchmarks/tune_fp8_quantize.py)
+STRIDED_TILES = (64, 128, 256, 4)
+
+
+def quantize_strided(x, q, inv, per_row: bool, dtype: torch.dtype, tiles=None) -> None:
+    """q, inv <- the cast of x [R, C] whose rows are strided and columns contiguous (x.stride(0) == 1)."""
+    rows, cols = x.shape
+    block_r, block_c, chunk, warps = (16, 16, 64, 4) if interpreting() else (tiles or STRIDED_TILES)
+    amax = torch.zeros((rows,), dtype=torch.float32, device=x.device)
+    _strided_amax_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, chunk))](
+        x, amax, rows, cols, x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk, num_warps=warps)
+    _quantize_strided_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+        x, q, inv, amax if per_row else amax.amax(), rows, cols, x.stride(1), AMAX_PER_ROW=per_row,
+        **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+
+
+def _row_tiles(cols: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps): whole rows up to ROW_MAX elements, ~8K elements a program."""
+    block_c = triton.next_power_of_2(max(cols, 1))
+    if interpreting():
+        return 4, min(block_c, 256), 4
+    if block_c > ROW_MAX:
+        return 4, 1024, 8
+    return max(1, 8192 // block_c), block_c, (8 if block_c >= 4096 else 4)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,19 +196,25 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.
     rows, cols = x.shape
     q = alloc((rows, cols), dtype, x.device)
     inv = alloc((rows, 1) if per_row else (), torch.float32, x.device)
-    block_r, block_c = _tiles(cols)
+    if rows == 0 or cols == 0:
+        inv.fill_(EPS / MAX[dtype])
+        return q, inv
+    if x.stride(1) != 1 and x.stride(0) == 1:
+        quantize_strided(x, q, inv, per_row, dtype)
+        return q, inv
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_r, block_c, warps = _row_tiles(cols)
     grid = (triton.cdiv(rows, block_r),)
+    one_tile = block_c >= cols
     amax = inv
-    if not per_row:
-        row_amax = alloc((rows,), torch.float32, x.device)
-        if rows:
-            _amax_kernel[grid](x, row_amax, rows, cols, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c)
-        amax = row_amax.amax() if rows else torch.zeros((), device=x.device)
-    if rows:
-        _quantize_kernel[grid](x, q, inv, amax, rows, cols, x.stride(0), x.stride(1), PER_ROW=per_row,
-                               FP8_TYPE=FP8[dtype], FP8_MAX=MAX[dtype], EPS_=EPS, ROUND=interpreting(),
-                               MANT=GRID[dtype][0], MIN_NORMAL=GRID[dtype][1], SUB_STEP=GRID[dtype][2],
-                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    if not (per_row and one_tile):
+        amax = alloc((rows,), torch.float32, x.device)
+        _row_amax_kernel[grid](x, amax, rows, cols, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        if not per_row:
+            amax = amax.amax()
+    _quantize_rows_kernel[grid](x, q, inv, amax, rows, cols, x.stride(0), AMAX_PER_ROW=per_row, ONE_TILE=one_tile,
+                                **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return q, inv
 
 
