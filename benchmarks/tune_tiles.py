@@ -7,7 +7,7 @@ import torch
 import triton
 
 from common import bench_gpu_ms
-from fusion_compiler.codegen import rmsnorm
+from fusion_compiler.codegen import fp8, rmsnorm
 
 
 def time_fwd(x, w, block_m, warps):
@@ -16,8 +16,9 @@ def time_fwd(x, w, block_m, warps):
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     block_n = triton.next_power_of_2(n)
     return bench_gpu_ms(lambda: rmsnorm._rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        x, x, w, y, y, rstd, m, n, x.stride(0), 0, y.stride(0), 0, 1e-6,
-        HAS_RESIDUAL=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps))
+        x, x, w, y, y, rstd, y, rstd, m, n, x.stride(0), 0, y.stride(0), 0, 1e-6,
+        HAS_RESIDUAL=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, QUANT=False,
+        **fp8.cast_args(torch.float8_e4m3fn)))
 
 
 def time_bwd(x, w, block_m, warps, progs_per_sm):

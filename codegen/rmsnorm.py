@@ -8,18 +8,22 @@ Backward, with xhat = h * rstd and g = dy * w:
     dh = rstd * (g - xhat * mean(g * xhat)) (+ the gradient that reached h directly)
     dw = sum over rows of dy * xhat       (per-program partial sums, then one small reduction)
 All arithmetic is fp32: inputs are loaded, then upcast at once.
+With an FP8 dtype the forward also writes y's FP8 copy with a scale per row (codegen/fp8.py; y as
+stored, rounded to its dtype, so the copy equals quantizing y afterwards): the input of an FP8 linear,
+cast in the pass that produces it.
 """
 import torch
 import triton
 import triton.language as tl
 
+from . import fp8
 from .launch import alloc, as_rows, bwd_row_tile, persistent_programs, row_tile
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     # pointers
-    X, R, W, Y, H, RSTD,
+    X, R, W, Y, H, RSTD, Q, INV,
     # sizes
     M, N,
     # row strides
@@ -27,6 +31,9 @@ def _rms_norm_fwd_kernel(
     eps,
     # meta-parameters
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    # the FP8 copy of y (QUANT), codegen/fp8.cast_args
+    QUANT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -40,9 +47,13 @@ def _rms_norm_fwd_kernel(
         x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
+    if QUANT:
+        q, inv = fp8.quantize_rows_tile(y.to(tl.float32), FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
+        tl.store(Q + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
+        tl.store(INV + rows, inv, mask=row_mask)
 
 
 @triton.jit
@@ -79,8 +90,9 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
 
 
-def rms_norm_fwd(x, weight, eps, residual=None):
-    """Returns (y, h, rstd); h is None without a residual. y has dtype promote(x, weight)."""
+def rms_norm_fwd(x, weight, eps, residual=None, fp8_dtype=None):
+    """Returns (y, h, rstd, q); h is None without a residual. y has dtype promote(x, weight). q: None, or
+    with an fp8_dtype (q [rows, N] row-major, its dequantization scale [rows, 1] fp32) of y."""
     n = x.shape[-1]
     x2 = as_rows(x)
     m = x2.shape[0]
@@ -90,17 +102,22 @@ def rms_norm_fwd(x, weight, eps, residual=None):
     if residual is not None:
         r2 = as_rows(residual)
         h = alloc((m, n), x.dtype, x.device)
+    q = inv = None
+    if fp8_dtype is not None:
+        q, inv = alloc((m, n), fp8_dtype, x.device), alloc((m, 1), torch.float32, x.device)
     block_m, block_n, warps = row_tile(n)
     if m > 0:
         _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
             x2, r2 if r2 is not None else x2, weight.contiguous(), y, h if h is not None else y, rstd,
+            q if q is not None else y, inv if inv is not None else rstd,
             m, n,
             x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), h.stride(0) if h is not None else 0,
             eps,
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            QUANT=fp8_dtype is not None, **fp8.cast_args(fp8_dtype or torch.float8_e4m3fn),
         )
     y = y.view(x.shape)
-    return y, (h.view(x.shape) if h is not None else None), rstd
+    return y, (h.view(x.shape) if h is not None else None), rstd, (None if q is None else (q, inv))
 
 
 def rms_norm_bwd(dy, h, weight, rstd, dh_in=None):

@@ -61,6 +61,14 @@ class FusionConfig:
         (per-row scales, e4m3), "rowwise_gw_hp" (rowwise, the weight gradient in high precision).
     fp8_emulate: compute the recipe's FP8 rounding in higher precision instead of FP8 GEMMs (any
         device: checks the numerics on CPU; never faster).
+    fp8_fuse_cast: per-row recipes: a linear's input produced by a fusion RMSNorm is cast to FP8 in
+        the norm's kernel, and an input read by several FP8 linears is cast once for all of them.
+        Off: each FP8 linear casts its input itself (the same values).
+    cudagraphs: hand the rewritten graphs to Inductor with its CUDA graphs on (what torch.compile's
+        mode="reduce-overhead" sets; Inductor skips them where a graph cannot be captured). A step is
+        replayed with one launch, so the host cost of each op (the project's ops pay Python dispatch
+        and Triton launch costs on every call) no longer adds to the step time. Off by default, as in
+        torch.compile: the outputs of a replayed graph are overwritten by the next replay.
     moe_impl: how routed experts run: "auto" (the cost model picks per shape), "triton" (generated
         grouped GEMMs gathering rows in-kernel) or "grouped_mm" (torch's grouped GEMM; bf16 on CUDA,
         16-byte aligned rows), where the operands allow it.
@@ -93,6 +101,8 @@ class FusionConfig:
     capture_dynamic_output_shapes: bool = True
     fp8: Optional[str] = None
     fp8_emulate: bool = False
+    fp8_fuse_cast: bool = True
+    cudagraphs: bool = False
 
     def __post_init__(self):
         for name in ("families", "patterns"):

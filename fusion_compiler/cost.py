@@ -128,7 +128,9 @@ _HORIZONTAL_H200 = (1.052, 1.014)
 # (runs/2026-12-03-h200-fp8-1.json). Overhead: on the reference Llama step (runs/2026-12-03-h200-llama-
 # step-fp8.json) the 12 MLP linears in FP8 were estimated 1.0 ms faster and measured 2.3 ms slower:
 # ~275 us per linear in training beyond the estimate, ~90 us per GEMM (its launches from Python: the
-# op's dispatch, the quantization kernels); the H100 is assumed to match
+# op's dispatch, the quantization kernels); the H100 is assumed to match. Host time: a step replayed as
+# CUDA graphs does not pay it (stop 20, runs/2026-12-04-h200-llama-step-fp8-cg.json: every linear in
+# FP8, GPU time 26.2 ms, wall 42.7 ms launched op by op, 29.1 ms replayed)
 _FP8_H100, _FP8_H200, _FP8_OVERHEAD = 1276e12, 1483e12, 90e-6
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
@@ -488,11 +490,15 @@ def _unfused_moe_s(shape: dict, flops: float, spelling: float, ctx: CostContext)
     return (flops / (p.matmul_flops * p.gemm[1]) + (spelling - gathers) / bandwidth) * shape["experts"] / shape["top_k"]
 
 
-def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext) -> Estimate:
+def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext,
+                        x_cast: str = "own", readers: int = 1, replayed: bool = False) -> Estimate:
     """x [m, k] @ w [n, k]^T (and in training dx and dW) as FP8 GEMMs against cuBLAS in the operands'
     dtype. FP8 adds quantization passes: each operand read (per-tensor scales: twice, an amax pass
     first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward;
-    and the overhead per GEMM measured on a whole train step (DeviceProfile.fp8_overhead_s)."""
+    and the host overhead per GEMM measured on a whole train step (DeviceProfile.fp8_overhead_s), not
+    paid where the step is `replayed` as CUDA graphs.
+    x's forward cast: "own" (this linear's pass), "shared" (one pass for the `readers` linears of x)
+    or "fused" (the FP8 copy written by x's producer: only its bytes, shared by the readers)."""
     p = ctx.profile
     if not p.fp8_flops:
         base = 0.0
@@ -506,11 +512,14 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
     high = sum(gemm_s(p.matmul_flops, p.gemm[1], *mnk, element_size) for mnk in products)
     low = sum(gemm_s(p.fp8_flops, 1.0, *mnk, 1) for mnk in products)
     moved = sum(mm * kk + nn * kk + mm * nn for mm, nn, kk in products)
-    operands = [m * k, n * k] + ([m * n, m * n, n * k, m * k] if ctx.training else [])
+    operands = [n * k] + ([m * n, m * n, n * k, m * k] if ctx.training else [])
     reads = 1 if per_row else 2
-    quant_bytes = sum(operands) * (reads * element_size + 1)
-    quant = quant_bytes / (p.bandwidth * p.default_efficiency) + len(operands) * (1 if per_row else 2) * p.launch_s
-    quant += len(products) * p.fp8_overhead_s
+    share = 1 if x_cast == "own" else readers
+    x_bytes = m * k * (1 if x_cast == "fused" else reads * element_size + 1) / share
+    quant_bytes = int(sum(operands) * (reads * element_size + 1) + x_bytes)
+    launches = len(operands) + (0 if x_cast == "fused" else 1 / share)
+    quant = quant_bytes / (p.bandwidth * p.default_efficiency) + launches * (1 if per_row else 2) * p.launch_s
+    quant += 0.0 if replayed else len(products) * p.fp8_overhead_s
     return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,
                     f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization and overhead {quant * 1e6:.1f} us "
                     f"({quant_bytes / 2**20:.1f} MiB) vs {element_size * 8}-bit {high * 1e6:.1f} us ({p.name} profile)")

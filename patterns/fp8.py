@@ -16,6 +16,7 @@ scaled GEMM returns bf16 only). Linears with a bias (addmm) are left alone.
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
 """
+import operator
 import types
 
 import torch
@@ -69,12 +70,112 @@ def _row(gid, node, verdict, reason, inputs, estimate=None) -> Decision:
                     time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel=KERNEL)
 
 
+_NORMS = {torch.ops.fusion.rms_norm.default: torch.ops.fusion.rms_norm_fp8.default,
+          torch.ops.fusion.add_rms_norm.default: torch.ops.fusion.add_rms_norm_fp8.default}
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _key(a: fx.Node) -> fx.Node:
+    """The tensor a linear's 2-D input `a` holds the rows of: F.linear on [B, S, K] views x as
+    [B*S, K] once per linear, so linears of one x have one key."""
+    if a.op == "call_function" and a.target in _VIEWS and isinstance(a.args[0], fx.Node):
+        src = val(a.args[0])
+        if src.is_contiguous() and src.dim() >= 2 and src.shape[-1] == val(a).shape[1]:
+            return a.args[0]
+    return a
+
+
+def _dtype_only(cast: fx.Node) -> bool:
+    a, b = val(cast.args[0]), val(cast)
+    return a.device == b.device and a.layout == b.layout and cast.kwargs.get("memory_format") is None \
+        and a.is_contiguous() == b.is_contiguous()
+
+
+def _norm_producer(src: fx.Node) -> fx.Node | None:
+    """The fusion RMSNorm whose output y `src` is: y itself, or y cast to fp32 and back (exact)."""
+    dtype = val(src).dtype
+    while src.op == "call_function" and src.target is aten._to_copy.default and _dtype_only(src) \
+            and val(src.args[0]).dtype in (dtype, torch.float32, torch.float64):
+        src = src.args[0]
+    if not (src.op == "call_function" and src.target is operator.getitem and src.args[1] == 0
+            and val(src).dtype == dtype):
+        return None
+    norm = src.args[0]
+    ok = norm.op == "call_function" and norm.target in _NORMS and val(src).is_contiguous()
+    return norm if ok else None
+
+
+def _cast_plans(taken: list, config) -> dict:
+    """Per-row recipes: where each taken linear's input gets its FP8 copy. Keyed by the input's
+    source (the tensor before F.linear's view): ("fused", norm node, readers) when a fusion RMSNorm
+    produced it, ("shared", first reader's mm node, readers) when two or more linears read it, else
+    absent (the linear casts x itself). `taken` holds (mm node, input, weight) in graph order."""
+    if not (fp8_op.recipe(config.fp8).per_row and config.fp8_fuse_cast):
+        return {}
+    groups: dict = {}
+    for node, a, w in taken:
+        groups.setdefault(_key(a), []).append(node)
+    plans = {}
+    for key, readers in groups.items():
+        norm = _norm_producer(key)
+        if norm is not None:
+            plans[key] = ("fused", norm, len(readers))
+        elif len(readers) > 1:
+            plans[key] = ("shared", readers[0], len(readers))
+    return plans
+
+
+def _emit_casts(gm: fx.GraphModule, plans: dict, config) -> dict:
+    """Rewrite each plan into the graph; {source: (q node, scale node)}."""
+    graph, casts, swapped = gm.graph, {}, {}
+    for src, (how, node, _) in plans.items():
+        if how == "fused":
+            norm = node
+            if norm not in swapped:
+                with graph.inserting_after(norm):
+                    fused = graph.call_function(_NORMS[norm.target], norm.args, norm.kwargs)
+                fused.meta.update(norm.meta)
+                fused.meta["val"] = _NORMS[norm.target](*[val(a) if isinstance(a, fx.Node) else a for a in norm.args])
+                norm.replace_all_uses_with(fused)
+                graph.erase_node(norm)
+                swapped[norm] = fused
+            fused = swapped[norm]
+            n_out = len(fused.meta["val"])
+            with graph.inserting_after(fused):
+                scale = graph.call_function(operator.getitem, (fused, n_out - 1))
+                q = graph.call_function(operator.getitem, (fused, n_out - 2))
+            q.meta["val"], scale.meta["val"] = fused.meta["val"][-2], fused.meta["val"][-1]
+        else:  # before the first reader
+            shape = val(src).shape
+            with graph.inserting_before(node):
+                rows = graph.call_function(aten.view.default, (src, [-1, shape[-1]]))
+            rows.meta["val"] = val(src).view(-1, shape[-1])
+            with graph.inserting_after(rows):
+                call = graph.call_function(torch.ops.fusion.fp8_quantize_rows.default, (rows, config.fp8_emulate))
+            call.meta["val"] = torch.ops.fusion.fp8_quantize_rows.default(rows.meta["val"], config.fp8_emulate)
+            with graph.inserting_after(call):
+                scale = graph.call_function(operator.getitem, (call, 1))
+                q = graph.call_function(operator.getitem, (call, 0))
+            q.meta["val"], scale.meta["val"] = call.meta["val"]
+        casts[src] = (q, scale)
+    return casts
+
+
+def _plan_note(plan) -> str:
+    if plan is None:
+        return ""
+    how, node, n = plan
+    if how == "fused":
+        return f"; x cast to FP8 in {_NORMS[node.target].name()}, the kernel producing it ({n} linear(s) read it)"
+    return f"; x cast to FP8 once for the {n} linears that read it"
+
+
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     """Rewrite every bias-free linear that is legal and pays; one decision row each."""
     if config.fp8 is None or not config.enables(DESCRIPTOR):
         return 0
     recipe = fp8_op.recipe(config.fp8)
-    applied = 0
+    legal = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.mm.default:
             continue
@@ -82,21 +183,35 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         if found is None:
             continue
         a, w, _ = found
-        x_val, w_val = val(a), val(w)
-        why = _legal(x_val, w_val, config.fp8, config.fp8_emulate)
+        why = _legal(val(a), val(w), config.fp8, config.fp8_emulate)
         if why:
-            log.add(_row(gid, node, "rejected", why, [x_val, w_val]))
+            log.add(_row(gid, node, "rejected", why, [val(a), val(w)]))
             continue
-        training = node in needs_grad
-        ctx = cost.CostContext(cost.profile_for(x_val.device, config.device_profile), config.baseline, training,
-                               config.prefer_memory)
+        legal.append((node, a, w))
+    plans = _cast_plans(legal, config)
+    taken = []
+    for node, a, w in legal:
+        x_val, w_val = val(a), val(w)
+        plan = plans.get(_key(a))
+        ctx = cost.CostContext(cost.profile_for(x_val.device, config.device_profile), config.baseline,
+                               node in needs_grad, config.prefer_memory)
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
-                                            recipe.per_row, ctx)
+                                            recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
+                                            readers=plan[2] if plan else 1,
+                                            replayed=config.cudagraphs and config.handoff == "inductor")
         if config.cost_model == "roofline" and not estimate.profitable:
             log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate))
             continue
+        taken.append((node, a, w, estimate))
+    # the casts planned for the linears taken (a plan that lost readers to the cost model is re-made)
+    plans = _cast_plans([(node, a, w) for node, a, w, _ in taken], config)
+    casts = _emit_casts(gm, plans, config)
+    for node, a, w, estimate in taken:
+        x_val, w_val = val(a), val(w)
+        q_scale = casts.get(_key(a), ())
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(torch.ops.fusion.fp8_linear.default, (a, w, config.fp8, config.fp8_emulate))
+            call = gm.graph.call_function(torch.ops.fusion.fp8_linear.default,
+                                          (a, w, config.fp8, config.fp8_emulate, *q_scale))
         call.meta["val"] = val(node)
         if "stack_trace" in node.meta:
             call.meta["stack_trace"] = node.meta["stack_trace"]
@@ -105,9 +220,9 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
-        log.add(_row(gid, call, "applied", f"recipe {config.fp8}{mode}; {reason}", [x_val, w_val], estimate))
-        applied += 1
-    if applied:
+        log.add(_row(gid, call, "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(_key(a)))}",
+                     [x_val, w_val], estimate))
+    if taken:
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    return applied
+    return len(taken)

@@ -3,6 +3,7 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
 
     torch.ops.fusion.rms_norm(x, weight, eps)              -> (y, rstd)
     torch.ops.fusion.add_rms_norm(x, residual, weight, eps) -> (y, x + residual, rstd)
+    torch.ops.fusion.rms_norm_fp8 / add_rms_norm_fp8(...)   -> the same + (y in e4m3 [rows, N], its scale [rows, 1])
     torch.ops.fusion.layer_norm(x, weight, bias, eps)       -> (y, mean, rstd)
     torch.ops.fusion.rope(x, cos, sin, interleaved)         -> x rotated
     torch.ops.fusion.glu(gate, up, act)                     -> act(gate) * up

@@ -1,7 +1,9 @@
 """The FP8 linear (quantization in codegen/fp8.py, the GEMMs on torch._scaled_mm).
 
-    fusion::fp8_linear(x [M, K], w [N, K], recipe, emulate) -> y = x @ w^T [M, N] in x's dtype
+    fusion::fp8_linear(x [M, K], w [N, K], recipe, emulate, x_fp8=None, x_scale=None)
+        -> y = x @ w^T [M, N] in x's dtype
     fusion::fp8_linear_backward(dy, x, w, recipe, emulate, needs) -> [dx, dw]
+    fusion::fp8_quantize_rows(x [M, K], emulate) -> (x in e4m3, its scale per row [M, 1])
 
 All three GEMMs of training run in FP8 with dynamic scales computed from the current tensors:
     y  = q(x) @ q(w)^T          scales per row of x and of w (rowwise) or per tensor (tensorwise)
@@ -11,14 +13,19 @@ Recipes (RECIPES): "tensorwise" (e4m3 forward, e5m2 gradients), "rowwise" (e4m3 
 "rowwise_gw_hp" (rowwise with dW in x's dtype). `emulate` computes the same quantization (the same
 scales, the same FP8 rounding) in torch ops and the products in fp32: the math of the recipe on any
 device, for CPU tests.
+x_fp8 and x_scale: x already cast (per-row recipes: e4m3, a scale per row), by the kernel that produced
+x (ops/norm.py's rms_norm_fp8) or by one fp8_quantize_rows shared by the linears that read x; the
+forward then skips its own cast of x (x itself is still saved for dW).
 """
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from fusion_compiler._compat import scaled_mm
 from fusion_compiler.codegen import fp8 as kernels
+from fusion_compiler.codegen.launch import can_launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +50,15 @@ def recipe(name: str) -> Recipe:
 
 
 def _quantize(t: Tensor, dtype: torch.dtype, per_row: bool, emulate: bool):
-    return (kernels.quantize_reference if emulate else kernels.quantize)(t, dtype, per_row)
+    """Our kernel wherever Triton runs (emulation included: the interpreter on CPU), else torch's ops."""
+    use_torch = emulate and can_launch(t.device) is not None
+    return (kernels.quantize_reference if use_torch else kernels.quantize)(t, dtype, per_row)
 
 
-def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, per_row: bool, out_dtype: torch.dtype, emulate: bool) -> Tensor:
-    """a [M, K] @ b [N, K]^T, both quantized along K (their rows)."""
-    qa, sa = _quantize(a, a_dtype, per_row, emulate)
+def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, per_row: bool, out_dtype: torch.dtype, emulate: bool,
+          a_quantized: Optional[tuple] = None) -> Tensor:
+    """a [M, K] @ b [N, K]^T, both quantized along K (their rows); a's (q, scale) when given."""
+    qa, sa = a_quantized if a_quantized is not None else _quantize(a, a_dtype, per_row, emulate)
     qb, sb = _quantize(b, b_dtype, per_row, emulate)
     if emulate:
         return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
@@ -56,14 +66,38 @@ def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, per_row: bool, out_dtype: torc
 
 
 @torch.library.custom_op("fusion::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool) -> Tensor:
+def fp8_linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool, x_fp8: Optional[Tensor] = None,
+               x_scale: Optional[Tensor] = None) -> Tensor:
     r = recipe(recipe_name)
-    return _gemm(x, w, E4M3, E4M3, r.per_row, x.dtype, emulate)
+    given = None
+    if x_fp8 is not None:
+        if not r.per_row or x_fp8.dtype != E4M3 or x_fp8.shape != x.shape or x_scale.shape != (x.shape[0], 1):
+            raise ValueError(f"fp8_linear: a cast x must be e4m3 {tuple(x.shape)} with a scale per row "
+                             f"(recipe {recipe_name}), got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+        given = (x_fp8, x_scale)
+    return _gemm(x, w, E4M3, E4M3, r.per_row, x.dtype, emulate, given)
 
 
 @fp8_linear.register_fake
-def _(x, w, recipe_name, emulate):
+def _(x, w, recipe_name, emulate, x_fp8=None, x_scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("fusion::fp8_quantize_rows", mutates_args=())
+def fp8_quantize_rows(x: Tensor, emulate: bool) -> tuple[Tensor, Tensor]:
+    return _quantize(x, E4M3, True, emulate)
+
+
+@fp8_quantize_rows.register_fake
+def _(x, emulate):
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def _no_grad_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+fp8_quantize_rows.register_autograd(lambda ctx, dq, dscale: (None, None), setup_context=_no_grad_setup)
 
 
 @torch.library.custom_op("fusion::fp8_linear_backward", mutates_args=())
@@ -85,7 +119,7 @@ def _(dy, x, w, recipe_name, emulate, needs):
 
 
 def _setup(ctx, inputs, output):
-    x, w, recipe_name, emulate = inputs
+    x, w, recipe_name, emulate = inputs[:4]
     ctx.recipe, ctx.emulate = recipe_name, emulate
     ctx.save_for_backward(x, w)
 
@@ -94,7 +128,7 @@ def _grad(ctx, dy):
     x, w = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
     dx, dw = fp8_linear_backward(dy.contiguous(), x, w, ctx.recipe, ctx.emulate, needs)
-    return (dx if needs[0] else None), (dw if needs[1] else None), None, None
+    return (dx if needs[0] else None), (dw if needs[1] else None), None, None, None, None
 
 
 fp8_linear.register_autograd(_grad, setup_context=_setup)

@@ -1,4 +1,8 @@
-"""Norm ops: RMSNorm, residual add + RMSNorm, LayerNorm (kernels in codegen/rmsnorm.py, layernorm.py)."""
+"""Norm ops: RMSNorm, residual add + RMSNorm, LayerNorm (kernels in codegen/rmsnorm.py, layernorm.py).
+
+The `_fp8` RMSNorm variants also return y's e4m3 copy with a scale per row, written by the same kernel:
+the input of FP8 linears (patterns/fp8.py), which then skip their own cast of it.
+"""
 from typing import Optional
 
 import torch
@@ -16,7 +20,7 @@ def _rows(x: Tensor) -> int:
 # --- RMSNorm ---------------------------------------------------------------------------------------
 @torch.library.custom_op("fusion::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    y, _, rstd = rmsnorm.rms_norm_fwd(x, weight, eps)
+    y, _, rstd, _ = rmsnorm.rms_norm_fwd(x, weight, eps)
     return y, rstd
 
 
@@ -28,7 +32,7 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("fusion::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    y, h, rstd = rmsnorm.rms_norm_fwd(x, weight, eps, residual=residual)
+    y, h, rstd, _ = rmsnorm.rms_norm_fwd(x, weight, eps, residual=residual)
     return y, h, rstd
 
 
@@ -48,28 +52,59 @@ def _(dy, h, weight, rstd, dh):
     return h.new_empty(h.shape), weight.new_empty(weight.shape)
 
 
+@torch.library.custom_op("fusion::rms_norm_fp8", mutates_args=())
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, _, rstd, (q, inv) = rmsnorm.rms_norm_fwd(x, weight, eps, fp8_dtype=torch.float8_e4m3fn)
+    return y, rstd, q, inv
+
+
+@rms_norm_fp8.register_fake
+def _(x, weight, eps):
+    return (*rms_norm(x, weight, eps), *_fp8_fake(x))
+
+
+@torch.library.custom_op("fusion::add_rms_norm_fp8", mutates_args=())
+def add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y, h, rstd, (q, inv) = rmsnorm.rms_norm_fwd(x, weight, eps, residual=residual, fp8_dtype=torch.float8_e4m3fn)
+    return y, h, rstd, q, inv
+
+
+@add_rms_norm_fp8.register_fake
+def _(x, residual, weight, eps):
+    return (*add_rms_norm(x, residual, weight, eps), *_fp8_fake(x))
+
+
+def _fp8_fake(x: Tensor) -> tuple[Tensor, Tensor]:
+    rows = _rows(x)
+    return x.new_empty((rows, x.shape[-1]), dtype=torch.float8_e4m3fn), x.new_empty((rows, 1), dtype=torch.float32)
+
+
 def _rms_setup(ctx, inputs, output):
+    residual = len(inputs) == 4
     x, weight = inputs[0], inputs[-2]
-    ctx.residual_dtype = inputs[1].dtype if len(inputs) == 4 else None
-    h = output[1] if len(inputs) == 4 else x
-    ctx.save_for_backward(h, weight, output[-1])
-    ctx.mark_non_differentiable(output[-1])
+    ctx.residual_dtype = inputs[1].dtype if residual else None
+    h = output[1] if residual else x
+    at = 2 if residual else 1  # rstd, then any FP8 copy
+    ctx.save_for_backward(h, weight, output[at])
+    ctx.mark_non_differentiable(*output[at:])
 
 
-def _rms_norm_grad(ctx, dy, drstd):
+def _rms_norm_grad(ctx, dy, *_):
     h, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_backward(dy, h, weight, rstd, None)
     return dx, dw, None
 
 
-def _add_rms_norm_grad(ctx, dy, dh, drstd):
+def _add_rms_norm_grad(ctx, dy, dh, *_):
     h, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_backward(dy, h, weight, rstd, dh)
     return dx, dx.to(ctx.residual_dtype), dw, None
 
 
-rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_setup)
-add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_rms_setup)
+for _op in (rms_norm, rms_norm_fp8):
+    _op.register_autograd(_rms_norm_grad, setup_context=_rms_setup)
+for _op in (add_rms_norm, add_rms_norm_fp8):
+    _op.register_autograd(_add_rms_norm_grad, setup_context=_rms_setup)
 
 
 # --- LayerNorm -------------------------------------------------------------------------------------

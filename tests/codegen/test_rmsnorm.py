@@ -21,7 +21,7 @@ def test_rms_norm_forward_backward(dtype, shape, residual):
     x = torch.randn(shape, dtype=dtype)
     r = torch.randn(shape, dtype=dtype) if residual else None
     w = (1 + 0.2 * torch.randn(n)).to(dtype)
-    y, h, rstd = rmsnorm.rms_norm_fwd(x, w, 1e-6, residual=r)
+    y, h, rstd, _ = rmsnorm.rms_norm_fwd(x, w, 1e-6, residual=r)
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     r64 = r.double() if residual else None
     y64, h64, rstd64 = ref_rms(x64, w64, 1e-6, r64)
@@ -49,10 +49,10 @@ def test_rms_norm_strided_rows():
     base = torch.randn(12, 64)
     x = base[::2]
     w = torch.randn(64)
-    y, _, _ = rmsnorm.rms_norm_fwd(x, w, 1e-5)
+    y, _, _, _ = rmsnorm.rms_norm_fwd(x, w, 1e-5)
     assert_close(y, ref_rms(x.double(), w.double(), 1e-5)[0], torch.float32, "y")
 
 
 def test_rms_norm_empty_rows():
-    y, _, rstd = rmsnorm.rms_norm_fwd(torch.randn(0, 32), torch.randn(32), 1e-5)
+    y, _, rstd, _ = rmsnorm.rms_norm_fwd(torch.randn(0, 32), torch.randn(32), 1e-5)
     assert y.shape == (0, 32) and rstd.shape == (0,)

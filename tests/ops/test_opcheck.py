@@ -66,6 +66,22 @@ def test_opcheck_multi_tensor_ops():
     torch.library.opcheck(fusion.multi_tensor_sum_squares, ([torch.randn(5, 2), torch.randn(9)],))
 
 
+def test_opcheck_fp8_ops():
+    """The FP8 linear (casting x itself, or given x's cast) and the ops that cast, in emulate mode. Not
+    test_schema (its mutation check compares tensors with ops that have no FP8 kernel on CPU), nor,
+    for the ops with FP8 outputs, test_aot_dispatch_dynamic (it sums every output for a backward)."""
+    bf16 = torch.bfloat16
+    x, w = _p(32, 48, dtype=bf16), _p(16, 48, dtype=bf16)
+    q, scale = fusion.fp8_quantize_rows(x.detach(), True)
+    checks = ("test_autograd_registration", "test_faketensor")
+    for args in [(x, w, "rowwise", True), (x, w, "tensorwise", True), (x, w, "rowwise", True, q, scale)]:
+        torch.library.opcheck(fusion.fp8_linear, args, test_utils=checks + ("test_aot_dispatch_dynamic",))
+    for op, args in [(fusion.fp8_quantize_rows, (x, True)),
+                     (fusion.rms_norm_fp8, (_p(3, 5, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
+                     (fusion.add_rms_norm_fp8, (_p(3, 40, dtype=bf16), _p(3, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6))]:
+        torch.library.opcheck(op, args, test_utils=checks)
+
+
 def test_rope_gradients_reach_cos_and_sin():
     """cos/sin rarely need grads, but when they do the op provides them."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64)

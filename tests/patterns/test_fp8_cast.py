@@ -1,0 +1,166 @@
+"""FP8 linears whose input cast is fused into its producer (an RMSNorm's kernel writes the FP8 copy
+of its output) or shared by the linears that read one input: on CPU in emulate mode, the same values
+as each linear casting its input itself (bit for bit: the same rounding in one kernel or another),
+outputs and every gradient, and within the recipe's SQNR of bf16 eager."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_compiler as fc
+from fusion_compiler import cost
+from fusion_compiler.codegen import fp8 as kernels
+from tests.helpers import fusion_ops
+from tests.patterns.test_fp8 import sqnr
+
+
+class Block(torch.nn.Module):
+    """A decoder block's linears: residual add + RMSNorm before q/k/v (three linears read one input),
+    an attention stand-in, then add + RMSNorm before gate/up (two) and the down projection (one)."""
+
+    def __init__(self, d=128, f=256, kv=64):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = torch.nn.RMSNorm(d, eps=1e-5), torch.nn.RMSNorm(d, eps=1e-5)
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.q, self.k, self.v, self.o = lin(d, d), lin(d, kv), lin(d, kv), lin(d, d)
+        self.gate, self.up, self.down = lin(d, f), lin(d, f), lin(f, d)
+
+    def forward(self, x, residual):
+        h = x + residual
+        a = self.attn_norm(h)
+        att = self.q(a) * torch.sigmoid(torch.cat([self.k(a), self.v(a)], -1))
+        h = h + self.o(att)
+        m = self.mlp_norm(h)
+        return h + self.down(F.silu(self.gate(m)) * self.up(m))
+
+
+def _run(block, x, r, dy, **config):
+    torch.compiler.reset()
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True, **config)
+    xs = [t.detach().clone().requires_grad_() for t in (x, r)]
+    y = torch.compile(block, backend=be)(*xs)
+    grads = torch.autograd.grad(y, xs + list(block.parameters()), dy)
+    return y, grads, be
+
+
+def _inputs(tokens=48, d=128):
+    torch.manual_seed(0)
+    block = Block(d).to(torch.bfloat16)
+    x = torch.randn(2, tokens // 2, d, dtype=torch.bfloat16)
+    r = torch.randn(2, tokens // 2, d, dtype=torch.bfloat16)
+    return block, x, r, torch.randn(2, tokens // 2, d, dtype=torch.bfloat16)
+
+
+def test_cast_in_the_norm_kernel_equals_each_linear_casting_its_input():
+    block, x, r, dy = _inputs()
+    y, grads, be = _run(block, x, r, dy)
+    y_off, grads_off, be_off = _run(block, x, r, dy, fp8_fuse_cast=False)
+    assert torch.equal(y, y_off)
+    for g, g_off in zip(grads, grads_off):
+        assert torch.equal(g, g_off)
+    ops = fusion_ops(be)
+    assert ops.count("fusion::fp8_linear") == 7 and ops.count("fusion::add_rms_norm_fp8") == 2
+    assert "fusion::add_rms_norm" not in ops and "fusion::fp8_quantize_rows" not in ops
+    notes = [d.reason for d in be.log.decisions if d.pattern == "fp8_linear"]
+    assert sum("cast to FP8 in fusion::add_rms_norm_fp8, the kernel producing it (3 linear(s)" in n for n in notes) == 3
+    assert sum("(2 linear(s) read it)" in n for n in notes) == 2
+    off_ops = fusion_ops(be_off)
+    assert off_ops.count("fusion::add_rms_norm") == 2 and "fusion::add_rms_norm_fp8" not in off_ops
+    # and against bf16 eager: the recipe's error, not more
+    xs = [t.detach().clone().requires_grad_() for t in (x, r)]
+    ref = block(*xs)
+    ref_grads = torch.autograd.grad(ref, xs + list(block.parameters()), dy)
+    h = (x + r).float()
+    assert sqnr(y - h, ref - h) >= 20
+    for g, g_ref in zip(grads, ref_grads):
+        assert sqnr(g, g_ref) >= 20
+
+
+def test_an_input_read_by_several_linears_is_cast_once():
+    """With the norm family off, the inputs come from aten ops: q/k/v share one cast, gate/up another;
+    o and down (one reader each) cast their own."""
+    block, x, r, dy = _inputs()
+    y, grads, be = _run(block, x, r, dy, disable_families=frozenset({"norm"}))
+    y_off, grads_off, _ = _run(block, x, r, dy, disable_families=frozenset({"norm"}), fp8_fuse_cast=False)
+    assert torch.equal(y, y_off) and all(torch.equal(a, b) for a, b in zip(grads, grads_off))
+    ops = fusion_ops(be)
+    assert ops.count("fusion::fp8_quantize_rows") == 2 and ops.count("fusion::fp8_linear") == 7
+    notes = [d.reason for d in be.log.decisions if d.pattern == "fp8_linear"]
+    assert sum("cast to FP8 once for the 3 linears" in n for n in notes) == 3
+    assert sum("cast to FP8 once for the 2 linears" in n for n in notes) == 2
+
+
+def test_tensorwise_keeps_its_own_casts():
+    """A per-tensor scale needs the whole tensor's amax: no row kernel can produce it."""
+    block, x, r, dy = _inputs()
+    torch.compiler.reset()
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="tensorwise", fp8_emulate=True)
+    torch.compile(block, backend=be)(x, r)
+    ops = fusion_ops(be)
+    assert ops.count("fusion::fp8_linear") == 7 and "fusion::add_rms_norm_fp8" not in ops
+    assert "fusion::fp8_quantize_rows" not in ops
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_kernel_fp8_copy(residual):
+    """Odd sizes; the FP8 copy and scale equal the quantization kernel's on y, y and the gradients equal
+    the plain norm's."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 13, 200, dtype=torch.bfloat16) * 4
+    r = torch.randn(3, 13, 200, dtype=torch.bfloat16)
+    w = (torch.rand(200) + 0.5).to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in ((x, r, w) if residual else (x, w))]
+    plain = [t.clone().requires_grad_() for t in leaves]
+    op, ref_op = (torch.ops.fusion.add_rms_norm_fp8, torch.ops.fusion.add_rms_norm) if residual else \
+        (torch.ops.fusion.rms_norm_fp8, torch.ops.fusion.rms_norm)
+    out, ref = op(*leaves, 1e-6), ref_op(*plain, 1e-6)
+    q, scale = out[-2:]
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (39, 200) and scale.shape == (39, 1)
+    want_q, want_scale = kernels.quantize(ref[0].detach().reshape(39, 200), torch.float8_e4m3fn, True)
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
+    for a, b in zip(out[:len(ref)], ref):
+        assert torch.equal(a, b)
+    dy = torch.randn_like(ref[0])
+    for a, b in zip(torch.autograd.grad(out[0], leaves, dy), torch.autograd.grad(ref[0], plain, dy)):
+        assert torch.equal(a, b)
+
+
+def test_a_cast_input_must_fit_the_recipe():
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    q, scale = torch.ops.fusion.fp8_quantize_rows(x, True)
+    with pytest.raises(ValueError, match="scale per row"):
+        torch.ops.fusion.fp8_linear(x, w, "tensorwise", True, q, scale)
+    with pytest.raises(ValueError, match="scale per row"):
+        torch.ops.fusion.fp8_linear(x, w, "rowwise", True, q[:16], scale[:16])
+
+
+def test_cost_model_counts_the_cast_where_it_happens():
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", True, False)
+    own, shared, fused = (cost.estimate_fp8_linear(4096, 2048, 2048, 2, True, ctx, x_cast=how, readers=3)
+                          for how in ("own", "shared", "fused"))
+    assert own.ours_s > shared.ours_s > fused.ours_s and own.baseline_s == fused.baseline_s
+
+
+def test_a_2d_input_of_two_linears_is_cast_once():
+    """x is the graph's input itself (F.linear on 2-D input: no view): the shared cast goes before the
+    first linear, and each gradient still matches each linear casting x itself."""
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48, bias=False)
+
+        def forward(self, x):
+            return self.a(x).sum(-1) + self.b(x).mean(-1)
+    torch.manual_seed(2)
+    pair = Pair().to(torch.bfloat16)
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    results = []
+    for fuse in (True, False):
+        torch.compiler.reset()
+        be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True, fp8_fuse_cast=fuse)
+        xi = x.clone().requires_grad_()
+        y = torch.compile(pair, backend=be)(xi)
+        results.append([y, *torch.autograd.grad(y.sum(), [xi, *pair.parameters()])])
+        assert fusion_ops(be).count("fusion::fp8_quantize_rows") == (1 if fuse else 0)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
