@@ -1,11 +1,14 @@
 """FP8 linears: the op alone against bf16 (fwd and fwd+bwd, quantization included), and a loss curve.
 
-    python benchmarks/bench_fp8.py [--parts linear train] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
+    python benchmarks/bench_fp8.py [--parts linear train quantize] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
 
 linear: x [M, K] @ w [N, K]^T in bf16 (cuBLAS, as F.linear and Inductor run it) and as
 fusion::fp8_linear with each recipe, at 4096^3, 8192^3 and the Llama-8B MLP (8192 tokens, 4096 ->
 14336 and 14336 -> 4096). GPU time: the profiler's kernel sum per call; SQNR of y, dx, dW against the
 bf16 results (dB). Also the bare torch._scaled_mm rate at 8192^3 (the cost model's figure).
+quantize: the quantization kernel alone against Inductor's, the kernels of one FP8 linear, and an
+RMSNorm followed by the cast (two kernels, one, Inductor's); GB/s count 2 bytes read and 1 written an
+element (the norm: 2 read, 2 + 1 written).
 train: a small Llama (8 layers, hidden 1024, ffn 4096, vocab 2048, 8 x 512 tokens) trained `--steps`
 steps with AdamW (lr 1e-3) from one seed on a fixed random bigram language (8 successors per token), bf16 under Inductor against every
 linear in FP8 (rowwise, forced; --train-modes: others, and bf16 in eager, whose distance from the
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from common import bench_gpu_ms, env, save, table
+from common import bench_gpu_ms, env, kernels_ms, save, table
 
 SHAPES = {"4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192), "llama8b_up": (8192, 14336, 4096),
           "llama8b_down": (8192, 4096, 14336)}
@@ -63,6 +66,72 @@ def linear_rows() -> list:
     for r in rows:
         r["fwd_x"] = round(base[r["shape"]]["fwd_ms"] / r["fwd_ms"], 2)
         r["fwdbwd_x"] = round(base[r["shape"]]["fwdbwd_ms"] / r["fwdbwd_ms"], 2)
+    return rows
+
+
+def quantize_rows() -> list:
+    """The quantization kernel alone (codegen/fp8.quantize) against Inductor compiling the same math
+    (kernels.quantize_reference), on the reference Llama step's operands, row-major and transposed (the
+    backward's layouts); GB/s counts 2 bytes read and 1 written an element."""
+    from fusion_compiler.codegen import fp8 as kernels
+    rows = []
+    inductor = torch.compile(kernels.quantize_reference)
+    for r, c in ((4096, 2048), (4096, 8192), (8192, 2048)):
+        base = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
+        for layout, t in (("rows", base), ("transposed", base.t())):
+            for per_row in (True, False):
+                q, inv = kernels.quantize(t, torch.float8_e4m3fn, per_row)  # checked before it is timed
+                ref_q, ref_inv = kernels.quantize_reference(t, torch.float8_e4m3fn, per_row)
+                deq, ref_deq = q.float() * inv, ref_q.float() * ref_inv
+                assert torch.allclose(inv, ref_inv, rtol=1e-6) and q.is_contiguous() and q.shape == t.shape
+                step = 2.0 ** -3 * ref_deq.abs() + 2.0 ** -9 * ref_inv  # one e4m3 step (subnormal: absolute)
+                assert ((deq - ref_deq).abs() <= step * 1.001).all(), (layout, per_row)
+                for impl, fn in (("ours", kernels.quantize), ("inductor", inductor)):
+                    ms = bench_gpu_ms(lambda: fn(t, torch.float8_e4m3fn, per_row))
+                    row = dict(shape=f"{tuple(t.shape)}", layout=layout, scale="row" if per_row else "tensor",
+                               impl=impl, ms=round(ms, 4), gbps=round(3 * r * c / ms / 1e6))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def norm_cast_rows() -> list:
+    """RMSNorm whose output feeds FP8 linears: our norm then our cast (two kernels), our norm writing
+    the FP8 copy itself (fusion::rms_norm_fp8), and Inductor compiling norm + cast from torch ops."""
+    from fusion_compiler.codegen import fp8 as kernels
+    rows = []
+
+    def eager_math(x, w):
+        y = F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+        return y, *kernels.quantize_reference(y.view(-1, x.shape[-1]), torch.float8_e4m3fn, True)
+    inductor = torch.compile(eager_math)
+    for m, n in ((4096, 2048), (8192, 4096)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+
+        def two_kernels():
+            y = torch.ops.fusion.rms_norm(x, w, 1e-6)[0]
+            return kernels.quantize(y, torch.float8_e4m3fn, True)
+        impls = {"norm + cast (ours, 2 kernels)": two_kernels,
+                 "rms_norm_fp8 (ours, 1 kernel)": lambda: torch.ops.fusion.rms_norm_fp8(x, w, 1e-6),
+                 "inductor (norm + cast)": lambda: inductor(x, w)}
+        for impl, fn in impls.items():
+            ms = bench_gpu_ms(fn)
+            row = dict(shape=f"{m}x{n}", impl=impl, ms=round(ms, 4), gbps=round(m * n * (2 + 2 + 1) / ms / 1e6))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def breakdown(m=4096, n=8192, k=2048, recipe="rowwise") -> list:
+    """The kernels of one fp8_linear forward + backward at the reference Llama step's MLP shape."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for impl, fn in (("bf16", lambda: F.linear(x, w)), ("fp8", lambda: torch.ops.fusion.fp8_linear(x, w, recipe, False))):
+        for name, ms, calls in kernels_ms(lambda: torch.autograd.grad(fn(), [x, w], dy), top=12):
+            rows.append(dict(impl=impl, kernel=name[:70], ms=ms, calls=calls))
     return rows
 
 
@@ -123,6 +192,14 @@ def main():
                     help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
     args = ap.parse_args()
     payload = {"env": env()}
+    if "quantize" in args.parts:
+        payload["quantize"] = quantize_rows()
+        payload["breakdown"] = breakdown()
+        payload["norm_cast"] = norm_cast_rows()
+        save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
+        print(table(payload["breakdown"], ["impl", "kernel", "ms", "calls"]))
+        print(table(payload["quantize"], ["shape", "layout", "scale", "impl", "ms", "gbps"]))
+        print(table(payload["norm_cast"], ["shape", "impl", "ms", "gbps"]))
     if "linear" in args.parts:
         payload["scaled_mm_tflops_8192"] = round(scaled_mm_rate(), 1)
         print("scaled_mm 8192^3:", payload["scaled_mm_tflops_8192"], "TFLOP/s", flush=True)

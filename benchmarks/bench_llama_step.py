@@ -1,12 +1,15 @@
 """The reference Llama train step (../shared/anchors/README.md): eager vs Inductor vs fusion.
 
     python benchmarks/bench_llama_step.py [--modes eager inductor fusion fusion_drop_logits fusion_always liger]
-                                          [--steps 10]
+                                          [--steps 10] [--profile]
 
 4 layers, hidden 2048, 32 heads / 8 kv, ffn 8192, vocab 128256, bf16, batch 2 x 2048, AdamW(fused).
 Reports the first step (compile) time, the median step time, tokens/s, peak memory and the first loss.
 fusion_fp8_{rowwise,tensorwise}: FusionConfig(fp8=recipe), the linears the cost model takes in FP8;
-fusion_fp8_always: every linear in FP8 (rowwise) and nothing else rewritten.
+fusion_fp8_always: every linear in FP8 (rowwise) and nothing else rewritten; fusion_fp8_norm: the same and
+every RMSNorm fused (its kernel casts the next linears' input to FP8); fusion_fp8_norm_nofuse: the same
+with FusionConfig(fp8_fuse_cast=False) (each linear casts its input). MODE_cg: with CUDA graphs
+(inductor_cg: torch.compile(mode="reduce-overhead"); fusion modes: FusionConfig(cudagraphs=True)).
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its
 memory although it is a little slower than Inductor's (cost.py); fusion_drop_logits@64: the same with
@@ -19,7 +22,7 @@ import time
 
 import torch
 
-from common import env, save, table
+from common import bench_gpu_ms, env, kernels_ms, save, table
 
 
 def build(seed=0):
@@ -49,8 +52,17 @@ def make_step(mode, batch=2, seq=2048):
     be = {"fusion": fc.backend(**off) if off else "fusion", "fusion_always": fc.backend(cost_model="always", **off),
           "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True, **off), "inductor": "inductor",
           "fusion_fp8_rowwise": fc.backend(fp8="rowwise"), "fusion_fp8_tensorwise": fc.backend(fp8="tensorwise"),
-          "fusion_fp8_always": fc.backend(fp8="rowwise", cost_model="always", families={"fp8"})}.get(mode)
-    fwd = torch.compile(model, backend=be) if be is not None else model
+          "fusion_fp8_always": fc.backend(fp8="rowwise", cost_model="always", families={"fp8"}),
+          "fusion_fp8_norm": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"}),
+          "fusion_fp8_norm_nofuse": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
+                                               fp8_fuse_cast=False),
+          "fusion_cg": fc.backend(cudagraphs=True), "fusion_fp8_rowwise_cg": fc.backend(fp8="rowwise", cudagraphs=True),
+          "fusion_fp8_norm_cg": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
+                                           cudagraphs=True)}.get(mode)
+    if mode == "inductor_cg":
+        fwd = torch.compile(model, mode="reduce-overhead")
+    else:
+        fwd = torch.compile(model, backend=be) if be is not None else model
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)
 
@@ -63,7 +75,7 @@ def make_step(mode, batch=2, seq=2048):
     return step, (be if not isinstance(be, str) else None), model, opt
 
 
-def run_mode(mode, steps, batch=2, seq=2048):
+def run_mode(mode, steps, batch=2, seq=2048, profile=False):
     import fusion_compiler as fc
     step, be, model, opt = make_step(mode, batch, seq)
     torch.cuda.synchronize()
@@ -87,6 +99,10 @@ def run_mode(mode, steps, batch=2, seq=2048):
                tokens_per_s=int(batch * seq / ms * 1e3),
                peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                peak_MiB=round(torch.cuda.max_memory_allocated() / 2**20, 1), loss0=round(loss0, 4))
+    if profile:  # and the step's GPU time: kernels alone, no launch gaps (wall time above that: the host)
+        row["gpu_ms"] = round(bench_gpu_ms(step, iters=5), 2)
+        row["kernels"] = kernels_ms(step, top=25)
+        print(table([dict(kernel=k, ms=t, calls=c) for k, t, c in row["kernels"]], ["kernel", "ms", "calls"]), flush=True)
     if mode.startswith("fusion"):
         rep = fc.last_report() if mode == "fusion" else fc.Report(be.log.decisions)
         s = rep.summary()
@@ -104,11 +120,12 @@ def main():
     ap.add_argument("--modes", nargs="+",
                     default=["eager", "inductor", "fusion", "fusion_drop_logits", "fusion_always", "liger"])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also list each mode's 25 most expensive kernels")
     a = ap.parse_args()
     rows = []
     for mode in a.modes:
         try:
-            rows.append(run_mode(mode, a.steps))
+            rows.append(run_mode(mode, a.steps, profile=a.profile))
         except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not the end of the run)
             rows.append(dict(mode=mode, step_ms=f"failed: {type(e).__name__}: {str(e)[:120]}"))
             torch.compiler.reset()
@@ -116,7 +133,7 @@ def main():
         print(rows[-1], flush=True)
     save("llama_step.json", {"env": env(), "rows": rows})
     print(env())
-    print(table(rows, ["mode", "first_step_s", "step_ms", "tokens_per_s", "peak_GiB", "peak_MiB", "loss0", "applied", "rejected"]))
+    print(table(rows, ["mode", "first_step_s", "step_ms", "gpu_ms", "tokens_per_s", "peak_GiB", "peak_MiB", "loss0", "applied", "rejected"]))
 
 
 if __name__ == "__main__":

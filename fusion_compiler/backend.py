@@ -127,6 +127,8 @@ class FusionBackend:
     def _handoff(self, gm: fx.GraphModule, example_inputs, gid: int = -1, patches: dict | None = None):
         """patches: Inductor config patches of the rewritten graph (the recompute marks' joint pass)."""
         patches = dict(patches or {})
+        if self.config.cudagraphs:
+            patches["triton.cudagraphs"] = True
         if self.config.handoff == "inductor":
             dist = torch.distributed
             if self.config.overlap_collectives and dist.is_available() and dist.is_initialized():

@@ -259,3 +259,18 @@ def test_autocast_region_is_matched_and_matches_eager():
     assert ((g - r).norm() / r.norm()).item() < 1.5e-2
     [d] = be.log.decisions
     assert d.verdict == "applied" and d.inputs[:2] == ("bf16[4, 64]", "f32[64]")
+
+
+def test_cudagraphs_reach_inductor(monkeypatch):
+    """FusionConfig(cudagraphs=True) hands off with Inductor's CUDA graphs on (mode="reduce-overhead")."""
+    from fusion_compiler import _compat
+    seen = []
+
+    def spy(gm, example_inputs, config_patches=None):
+        seen.append(config_patches)
+        return gm
+    monkeypatch.setattr(_compat, "compile_fx", spy)
+    for cudagraphs in (True, False):
+        torch.compiler.reset()
+        torch.compile(lambda x: x.sin() + 1, backend=fc.backend(cudagraphs=cudagraphs))(torch.randn(8))
+    assert seen == [{"triton.cudagraphs": True}, None]
