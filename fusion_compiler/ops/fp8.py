@@ -11,7 +11,8 @@ All three GEMMs of training run in FP8 with dynamic scales computed from the cur
     dw = q(dy^T) @ q(x^T)^T     dy and x along M; or dy^T @ x in high precision (grad_weight_hp)
 Recipes (RECIPES): "tensorwise" (e4m3 forward, e5m2 gradients), "rowwise" (e4m3 throughout) and
 "rowwise_gw_hp" (rowwise with dW in x's dtype). `emulate` computes the same quantization (the same
-scales, the same FP8 rounding) in torch ops and the products in fp32: the math of the recipe on any
+scales, the same FP8 rounding: our kernels wherever Triton runs, the interpreter on CPU included, else
+torch ops) and the products in fp32 from the dequantized operands: the math of the recipe on any
 device, for CPU tests.
 x_fp8 and x_scale: x already cast (per-row recipes: e4m3, a scale per row), by the kernel that produced
 x (ops/norm.py's rms_norm_fp8) or by one fp8_quantize_rows shared by the linears that read x; the
