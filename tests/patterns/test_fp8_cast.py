@@ -164,3 +164,13 @@ def test_a_2d_input_of_two_linears_is_cast_once():
         assert fusion_ops(be).count("fusion::fp8_quantize_rows") == (1 if fuse else 0)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_replayed_step_does_not_pay_the_host_overhead():
+    """With CUDA graphs (cudagraphs=True) the measured host cost per FP8 GEMM drops out: the reference
+    step's q projection (its input cast in the norm) pays in FP8 then, and not launched op by op."""
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", True, False)
+    launched, replayed = (cost.estimate_fp8_linear(4096, 2048, 2048, 2, True, ctx, x_cast="fused", readers=3,
+                                                   replayed=r) for r in (False, True))
+    assert launched.ours_s - replayed.ours_s == pytest.approx(3 * cost.PROFILES["h200"].fp8_overhead_s)
+    assert replayed.profitable and not launched.profitable
