@@ -174,3 +174,27 @@ def test_a_replayed_step_does_not_pay_the_host_overhead():
                                                    replayed=r) for r in (False, True))
     assert launched.ours_s - replayed.ours_s == pytest.approx(3 * cost.PROFILES["h200"].fp8_overhead_s)
     assert replayed.profitable and not launched.profitable
+
+
+def test_a_norm_output_changed_before_the_linears_is_not_cast_in_the_norm():
+    """Near miss: the first norm's output is scaled before q/k/v read it, so that norm's kernel cannot
+    cast what they read: it stays a plain norm and q/k/v share one cast of the scaled input (the MLP's
+    norm still casts for gate/up); the same values as each linear casting its own input."""
+    class Scaled(Block):
+        def forward(self, x, residual):
+            h = x + residual
+            a = self.attn_norm(h) * 0.5
+            h = h + self.o(self.q(a) * torch.sigmoid(torch.cat([self.k(a), self.v(a)], -1)))
+            m = self.mlp_norm(h)
+            return h + self.down(F.silu(self.gate(m)) * self.up(m))
+    torch.manual_seed(0)
+    block = Scaled().to(torch.bfloat16)
+    _, x, r, dy = _inputs()
+    y, grads, be = _run(block, x, r, dy)
+    y_off, grads_off, _ = _run(block, x, r, dy, fp8_fuse_cast=False)
+    assert torch.equal(y, y_off) and all(torch.equal(a, b) for a, b in zip(grads, grads_off))
+    ops = fusion_ops(be)
+    assert ops.count("fusion::add_rms_norm") == 1 and ops.count("fusion::add_rms_norm_fp8") == 1
+    assert ops.count("fusion::fp8_quantize_rows") == 1 and ops.count("fusion::fp8_linear") == 7
+    notes = [d.reason for d in be.log.decisions if d.pattern == "fp8_linear"]
+    assert sum("cast to FP8 once for the 3 linears" in n for n in notes) == 3
