@@ -31,32 +31,29 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def bench_gpu_ms(fn, iters=20) -> float:
-    """GPU time per call: the summed duration of every kernel (and memset/copy) that fn launched,
-    from the profiler; launch gaps and CPU dispatch are excluded (see bench_ms for wall time)."""
+def _profiled(fn, iters: int, warmup: int):
+    """The profiler's per-kernel averages over `iters` calls of fn, after `warmup` calls."""
     from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / iters / 1e3
+    return prof.key_averages()
+
+
+def bench_gpu_ms(fn, iters=20) -> float:
+    """GPU time per call: the summed duration of every kernel (and memset/copy) that fn launched,
+    from the profiler; launch gaps and CPU dispatch are excluded (see bench_ms for wall time)."""
+    return sum(e.self_device_time_total for e in _profiled(fn, iters, warmup=3)) / iters / 1e3
 
 
 def kernels_ms(step, top: int = 10, iters: int = 5) -> list:
     """[(kernel name, GPU ms per step, launches per step)] of the `top` most expensive kernels of a step
     (profiler, after one warm-up step)."""
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top]
+    events = sorted(_profiled(step, iters, warmup=1), key=lambda e: -e.self_device_time_total)[:top]
     return [(e.key[:90], round(e.self_device_time_total / iters / 1e3, 3), e.count / iters) for e in events]
 
 
