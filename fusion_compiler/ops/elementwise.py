@@ -5,10 +5,11 @@ from torch import Tensor
 from fusion_compiler.codegen import glu as glu_kernels
 from fusion_compiler.codegen.launch import alloc
 from fusion_compiler.codegen import rope as rope_kernels
+from fusion_compiler.ops.define import fusion_op
 
 
 # --- RoPE ------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusion::rope", mutates_args=())
+@fusion_op("fusion::rope")
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     return rope_kernels.rope(x, cos, sin, interleaved)
 
@@ -18,7 +19,7 @@ def _(x, cos, sin, interleaved):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("fusion::rope_backward", mutates_args=())
+@fusion_op("fusion::rope_backward")
 def rope_backward(dy: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     return rope_kernels.rope(dy, cos, sin, interleaved, backward=True)
 
@@ -60,7 +61,7 @@ rope.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
 # --- GLU -------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusion::glu", mutates_args=())
+@fusion_op("fusion::glu")
 def glu(gate: Tensor, up: Tensor, act: str) -> Tensor:
     return glu_kernels.glu_fwd(gate, up, act)
 
@@ -70,7 +71,7 @@ def _(gate, up, act):
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
-@torch.library.custom_op("fusion::glu_backward", mutates_args=())
+@fusion_op("fusion::glu_backward")
 def glu_backward(dy: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
     dgate, dup = glu_kernels.glu_bwd(dy, gate, up, act)
     return dgate.view(gate.shape), dup.view(up.shape)
@@ -101,7 +102,7 @@ def _halves(x: Tensor, gate_first: bool) -> tuple[Tensor, Tensor]:
     return (a, b) if gate_first else (b, a)
 
 
-@torch.library.custom_op("fusion::glu_packed", mutates_args=())
+@fusion_op("fusion::glu_packed")
 def glu_packed(x: Tensor, act: str, gate_first: bool) -> Tensor:
     gate, up = _halves(x, gate_first)
     return glu_kernels.glu_fwd(gate, up, act)
@@ -112,7 +113,7 @@ def _(x, act, gate_first):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("fusion::glu_packed_backward", mutates_args=())
+@fusion_op("fusion::glu_packed_backward")
 def glu_packed_backward(dy: Tensor, x: Tensor, act: str, gate_first: bool) -> Tensor:
     dx = alloc(x.shape, x.dtype, x.device)
     gate, up = _halves(x, gate_first)

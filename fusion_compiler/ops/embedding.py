@@ -7,9 +7,10 @@ each index in fp32 partials the size of the tokens, then writes the table's grad
 dtype (deterministic too). The op hides that call from Inductor's decomposition."""
 import torch
 from torch import Tensor
+from fusion_compiler.ops.define import fusion_op
 
 
-@torch.library.custom_op("fusion::embedding", mutates_args=())
+@fusion_op("fusion::embedding")
 def embedding(weight: Tensor, indices: Tensor, padding_idx: int) -> Tensor:
     return torch.ops.aten.embedding.default(weight, indices, padding_idx)
 
@@ -19,7 +20,7 @@ def _(weight, indices, padding_idx):
     return weight.new_empty((*indices.shape, weight.shape[1]))
 
 
-@torch.library.custom_op("fusion::embedding_backward", mutates_args=())
+@fusion_op("fusion::embedding_backward")
 def embedding_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int) -> Tensor:
     return torch.ops.aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, False)
 

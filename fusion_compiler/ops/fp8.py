@@ -27,6 +27,7 @@ from torch import Tensor
 from fusion_compiler._compat import scaled_mm
 from fusion_compiler.codegen import fp8 as kernels
 from fusion_compiler.codegen.launch import can_launch
+from fusion_compiler.ops.define import fusion_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, per_row: bool, out_dtype: torc
     return scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t() if per_row else sb, out_dtype=out_dtype)
 
 
-@torch.library.custom_op("fusion::fp8_linear", mutates_args=())
+@fusion_op("fusion::fp8_linear")
 def fp8_linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool, x_fp8: Optional[Tensor] = None,
                x_scale: Optional[Tensor] = None) -> Tensor:
     r = recipe(recipe_name)
@@ -84,7 +85,7 @@ def _(x, w, recipe_name, emulate, x_fp8=None, x_scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-@torch.library.custom_op("fusion::fp8_quantize_rows", mutates_args=())
+@fusion_op("fusion::fp8_quantize_rows")
 def fp8_quantize_rows(x: Tensor, emulate: bool) -> tuple[Tensor, Tensor]:
     return _quantize(x, E4M3, True, emulate)
 
@@ -101,7 +102,7 @@ def _no_grad_setup(ctx, inputs, output):
 fp8_quantize_rows.register_autograd(lambda ctx, dq, dscale: (None, None), setup_context=_no_grad_setup)
 
 
-@torch.library.custom_op("fusion::fp8_linear_backward", mutates_args=())
+@fusion_op("fusion::fp8_linear_backward")
 def fp8_linear_backward(dy: Tensor, x: Tensor, w: Tensor, recipe_name: str, emulate: bool,
                         needs: list[bool]) -> list[Tensor]:
     r = recipe(recipe_name)

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from fusion_compiler.codegen import gemm as kernels
+from fusion_compiler.ops.define import fusion_op
 
 
-@torch.library.custom_op("fusion::gemm_epilogue", mutates_args=())
+@fusion_op("fusion::gemm_epilogue")
 def gemm_epilogue(epilogue: str, a: Tensor, b: Tensor, sides: list[Tensor], shape: list[int],
                   out_dtype: torch.dtype, save_product: bool) -> tuple[Tensor, Tensor]:
     return kernels.forward(kernels.Epilogue.parse(epilogue), a, b, sides, shape, out_dtype, save_product)
@@ -26,7 +27,7 @@ def _(epilogue, a, b, sides, shape, out_dtype, save_product):
     return a.new_empty(kernels.reduced_shape(ep, shape), dtype=out_dtype), a.new_empty(shape if save_product else (0,))
 
 
-@torch.library.custom_op("fusion::gemm_epilogue_backward", mutates_args=())
+@fusion_op("fusion::gemm_epilogue_backward")
 def gemm_epilogue_backward(epilogue: str, grad: Tensor, product: Tensor, out: Tensor, sides: list[Tensor],
                            shape: list[int], side_needs: list[bool], product_dtype: torch.dtype,
                            a_shape: list[int], b_shape: list[int]) -> list[Tensor]:

@@ -7,9 +7,10 @@ from torch import Tensor
 
 from fusion_compiler.codegen import cross_entropy as ce_kernels
 from fusion_compiler.codegen import linear_cross_entropy as lce_kernels
+from fusion_compiler.ops.define import fusion_op
 
 
-@torch.library.custom_op("fusion::cross_entropy", mutates_args=())
+@fusion_op("fusion::cross_entropy")
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
                   label_smoothing: float) -> tuple[Tensor, Tensor]:
     # the loss stays in fp32 (how it is accumulated); the engine casts it to the region's dtype when
@@ -38,7 +39,7 @@ def _grad(ctx, dloss, _ddlogits):
 cross_entropy.register_autograd(_grad, setup_context=_setup)
 
 
-@torch.library.custom_op("fusion::linear_cross_entropy", mutates_args=())
+@fusion_op("fusion::linear_cross_entropy")
 def linear_cross_entropy(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, ignore_index: int,
                          reduction: str, label_smoothing: float, softcap: float,
                          with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -61,7 +62,7 @@ def _(h, w, b, target, ignore_index, reduction, label_smoothing, softcap, with_g
     return h.new_empty(shape, dtype=torch.float32), grad(h), grad(w), grad(b)
 
 
-@torch.library.custom_op("fusion::linear_cross_entropy_backward", mutates_args=())
+@fusion_op("fusion::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, dloss: Tensor,
                                   ignore_index: int, label_smoothing: float,
                                   softcap: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fusion_compiler.codegen import moe as kernels
 from fusion_compiler.codegen import moe_grouped_mm
+from fusion_compiler.ops.define import fusion_op
 
 LAYOUTS = ("gate_up", "gate_up_interleaved", "separate", "up")
 IMPLS = ("triton", "grouped_mm")
@@ -88,7 +89,7 @@ def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> st
     return "triton"
 
 
-@torch.library.custom_op("fusion::moe_experts", mutates_args=())
+@fusion_op("fusion::moe_experts")
 def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str, impl: str,
                 scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
@@ -120,7 +121,7 @@ def _(x, index, weight, weights, layout, act, impl, scale_input=False):
             x.new_empty((rows, x.shape[1]) if grouped else (0,)))
 
 
-@torch.library.custom_op("fusion::moe_experts_backward", mutates_args=())
+@fusion_op("fusion::moe_experts_backward")
 def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, h: Tensor,
                          y: Tensor, perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
                          needs: list[bool], scale_input: bool = False, xs: Tensor | None = None) -> list[Tensor]:

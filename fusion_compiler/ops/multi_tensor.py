@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from fusion_compiler.codegen import multi_tensor
+from fusion_compiler.ops.define import fusion_op
 
 
 @functools.lru_cache(maxsize=256)
@@ -28,7 +29,7 @@ def _(program, reads, writes, scalars):
     return None
 
 
-@torch.library.custom_op("fusion::multi_tensor_sum_squares", mutates_args=())
+@fusion_op("fusion::multi_tensor_sum_squares")
 def multi_tensor_sum_squares(tensors: list[Tensor]) -> Tensor:
     return multi_tensor.sum_squares(tensors)
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fusion_compiler.codegen import layernorm, rmsnorm
+from fusion_compiler.ops.define import fusion_op
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -18,7 +19,7 @@ def _rows(x: Tensor) -> int:
 
 
 # --- RMSNorm ---------------------------------------------------------------------------------------
-@torch.library.custom_op("fusion::rms_norm", mutates_args=())
+@fusion_op("fusion::rms_norm")
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     y, _, rstd, _ = rmsnorm.rms_norm_fwd(x, weight, eps)
     return y, rstd
@@ -30,7 +31,7 @@ def _(x, weight, eps):
     return y, x.new_empty((_rows(x),), dtype=torch.float32)
 
 
-@torch.library.custom_op("fusion::add_rms_norm", mutates_args=())
+@fusion_op("fusion::add_rms_norm")
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     y, h, rstd, _ = rmsnorm.rms_norm_fwd(x, weight, eps, residual=residual)
     return y, h, rstd
@@ -42,7 +43,7 @@ def _(x, residual, weight, eps):
     return y, x.new_empty(x.shape), x.new_empty((_rows(x),), dtype=torch.float32)
 
 
-@torch.library.custom_op("fusion::rms_norm_backward", mutates_args=())
+@fusion_op("fusion::rms_norm_backward")
 def rms_norm_backward(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     return rmsnorm.rms_norm_bwd(dy, h, weight, rstd, dh_in=dh)
 
@@ -52,7 +53,7 @@ def _(dy, h, weight, rstd, dh):
     return h.new_empty(h.shape), weight.new_empty(weight.shape)
 
 
-@torch.library.custom_op("fusion::rms_norm_fp8", mutates_args=())
+@fusion_op("fusion::rms_norm_fp8")
 def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     y, _, rstd, (q, inv) = rmsnorm.rms_norm_fwd(x, weight, eps, fp8_dtype=torch.float8_e4m3fn)
     return y, rstd, q, inv
@@ -63,7 +64,7 @@ def _(x, weight, eps):
     return (*rms_norm(x, weight, eps), *_fp8_fake(x))
 
 
-@torch.library.custom_op("fusion::add_rms_norm_fp8", mutates_args=())
+@fusion_op("fusion::add_rms_norm_fp8")
 def add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     y, h, rstd, (q, inv) = rmsnorm.rms_norm_fwd(x, weight, eps, residual=residual, fp8_dtype=torch.float8_e4m3fn)
     return y, h, rstd, q, inv
@@ -108,7 +109,7 @@ for _op in (add_rms_norm, add_rms_norm_fp8):
 
 
 # --- LayerNorm -------------------------------------------------------------------------------------
-@torch.library.custom_op("fusion::layer_norm", mutates_args=())
+@fusion_op("fusion::layer_norm")
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
     return layernorm.layer_norm_fwd(x, weight, bias, eps)
 
@@ -123,7 +124,7 @@ def _(x, weight, bias, eps):
     return x.new_empty(x.shape, dtype=dtype), stat, stat.new_empty(stat.shape)
 
 
-@torch.library.custom_op("fusion::layer_norm_backward", mutates_args=())
+@fusion_op("fusion::layer_norm_backward")
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return layernorm.layer_norm_bwd(dy, x, weight, mean, rstd)
 
