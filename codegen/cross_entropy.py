@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, interpreting
+from .launch import alloc, interpreting, next_pow2
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def launch_rows(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
     args = (logits, target, scale.reshape(1), losses, dx, v, logits.stride(0), dx.stride(0),
             ignore_index, label_smoothing, softcap if softcap else 1.0)
     if interpreting():
-        _cross_entropy_kernel[(n,)](*args, BLOCK_V=min(triton.next_power_of_2(max(v, 1)), 4096),
+        _cross_entropy_kernel[(n,)](*args, BLOCK_V=min(next_pow2(max(v, 1)), 4096),
                                     SOFTCAP=bool(softcap))
     else:
         _TUNED[(n,)](*args, SOFTCAP=bool(softcap))

@@ -15,11 +15,13 @@ the whole matrix, reduced from per-row amaxes. By layout:
 `quantize_rows_tile` is the per-row step for other kernels that hold whole rows (codegen/rmsnorm.py:
 the norm writes its output's FP8 copy in the same pass).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, interpreting
+from .launch import alloc, cdiv, fast_launch, interpreting, next_pow2
 
 FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -30,8 +32,14 @@ ROW_MAX = 16384  # widest row cast from registers after one read
 
 
 def cast_args(dtype: torch.dtype) -> dict:
-    """The constexpr arguments of the cast to `dtype` for the kernels that call `cast`."""
-    return dict(FP8_TYPE=FP8[dtype], FP8_MAX=MAX[dtype], ROUND=interpreting(), MANT=GRID[dtype][0],
+    """The constexpr arguments of the cast to `dtype` for the kernels that call `cast` (one shared
+    dict a dtype: unpack it, do not change it)."""
+    return _cast_args(dtype, interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_args(dtype: torch.dtype, interpreter: bool) -> dict:
+    return dict(FP8_TYPE=FP8[dtype], FP8_MAX=MAX[dtype], ROUND=interpreter, MANT=GRID[dtype][0],
                 MIN_NORMAL=GRID[dtype][1], SUB_STEP=GRID[dtype][2])
 
 
@@ -72,6 +80,7 @@ def quantize_rows_tile(x, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: 
     return cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP), 1.0 / scale
 
 
+@fast_launch
 @triton.jit
 def _row_amax_kernel(X, AMAX, R, C, s_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """AMAX[r] = max |X[r, :]|, rows contiguous."""
@@ -86,6 +95,7 @@ def _row_amax_kernel(X, AMAX, R, C, s_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
     tl.store(AMAX + rows, amax, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r,
                           AMAX_PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
@@ -123,6 +133,7 @@ def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r,
                      mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _strided_amax_kernel(X, AMAX, R, C, s_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
     """AMAX[r] = max(AMAX[r], max |X[r, c]| over this program's CHUNK columns); X[r, c] at r + c * s_c.
@@ -138,6 +149,7 @@ def _strided_amax_kernel(X, AMAX, R, C, s_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     tl.atomic_max(AMAX + rows, amax, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c, AMAX_PER_ROW: tl.constexpr,
                              FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
@@ -173,16 +185,16 @@ def quantize_strided(x, q, inv, per_row: bool, dtype: torch.dtype, tiles=None) -
     rows, cols = x.shape
     block_r, block_c, chunk, warps = (16, 16, 64, 4) if interpreting() else (tiles or STRIDED_TILES)
     amax = torch.zeros((rows,), dtype=torch.float32, device=x.device)
-    _strided_amax_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, chunk))](
+    _strided_amax_kernel[(cdiv(rows, block_r), cdiv(cols, chunk))](
         x, amax, rows, cols, x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk, num_warps=warps)
-    _quantize_strided_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+    _quantize_strided_kernel[(cdiv(rows, block_r), cdiv(cols, block_c))](
         x, q, inv, amax if per_row else amax.amax(), rows, cols, x.stride(1), AMAX_PER_ROW=per_row,
         **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def _row_tiles(cols: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps): whole rows up to ROW_MAX elements, ~8K elements a program."""
-    block_c = triton.next_power_of_2(max(cols, 1))
+    block_c = next_pow2(max(cols, 1))
     if interpreting():
         return 4, min(block_c, 256), 4
     if block_c > ROW_MAX:
@@ -205,7 +217,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.
     if x.stride(1) != 1:
         x = x.contiguous()
     block_r, block_c, warps = _row_tiles(cols)
-    grid = (triton.cdiv(rows, block_r),)
+    grid = (cdiv(rows, block_r),)
     one_tile = block_c >= cols
     amax = inv
     if not (per_row and one_tile):

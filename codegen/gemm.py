@@ -29,7 +29,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
-from .launch import alloc, interpreting, load_kernel, sm_count
+from .launch import alloc, cdiv, interpreting, load_kernel, sm_count
 from .pointwise import DERIVATIVES, ROUND_BF16, TRITON
 
 REDUCTIONS = ("sum", "mean", "amax", "logsumexp")
@@ -420,7 +420,7 @@ def default_config(lay: Layout, element_size: int) -> tuple:
     if interpreting():
         return options[0]
     sms = sm_count(lay.a.device)
-    tiles = [(triton.cdiv(lay.m, c[0]) * triton.cdiv(lay.n, c[1]) * lay.batch, c) for c in options]
+    tiles = [(cdiv(lay.m, c[0]) * cdiv(lay.n, c[1]) * lay.batch, c) for c in options]
     for count, c in tiles:
         if count >= sms:
             return c
@@ -476,7 +476,7 @@ def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _
         kinds = side_kinds(lay.sides)
         kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads),
                          lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads), "gemm_epilogue_kernel")
-        grid = (triton.cdiv(lay.m, config[0]) * triton.cdiv(lay.n, config[1]), lay.batch)
+        grid = (cdiv(lay.m, config[0]) * cdiv(lay.n, config[1]), lay.batch)
         plan = _PLANS[key] = _Plan(config, kernel, grid)
     return plan
 
@@ -500,7 +500,7 @@ def forward(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save
         raise ValueError(f"a side input cannot be read as [batch, M, N] for shape {list(shape)}")
     plan = _plan(ep, lay, out_dtype, save_product, config)
     bm, bn, bk, group, stages, warps, loads = plan.config
-    grid_n = triton.cdiv(lay.n, bn)
+    grid_n = cdiv(lay.n, bn)
     dev = a.device
     y3 = alloc((lay.batch, lay.m, lay.n) if not ep.reduce else (0,), out_dtype, dev)
     z3 = alloc((lay.batch, lay.m, lay.n) if save_product else (0,), a.dtype, dev)
@@ -585,7 +585,7 @@ def backward(ep: Epilogue, grad, product, out, sides: list, shape, side_needs: l
     batch, m, n = plan.batch, plan.m, plan.n
     views = [_as_3d(s.expand(shape), batch, m, n) for s in sides]
     bm, bn, warps = INTERPRETER_BACKWARD_TILE if interpreting() else BACKWARD_TILE
-    tm, tn = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    tm, tn = cdiv(m, bm), cdiv(n, bn)
     partials = [alloc((0,), torch.float32, dev) if mode is None else
                 alloc((batch, tm if mode[0] else m, tn if mode[1] else n), torch.float32, dev) for mode in plan.modes]
     dz = alloc((batch, m, n), product_dtype, dev)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, as_rows, interpreting
+from .launch import alloc, as_rows, cdiv, fast_launch, interpreting, next_pow2
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -37,6 +37,7 @@ def _act_and_grad(g, ACT: tl.constexpr):
     return a, da
 
 
+@fast_launch
 @triton.jit
 def _glu_fwd_kernel(
     # pointers
@@ -57,6 +58,7 @@ def _glu_fwd_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _glu_bwd_kernel(
     # pointers
@@ -80,7 +82,7 @@ def _glu_bwd_kernel(
 
 
 def _tile(n: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(max(n, 1)), 1024)
+    block_n = min(next_pow2(max(n, 1)), 1024)
     block_m = max(1, (16384 if interpreting() else 2048) // block_n)
     return block_m, block_n
 
@@ -93,7 +95,7 @@ def glu_fwd(gate, up, act: str):
     y = alloc((m, n), torch.promote_types(gate.dtype, up.dtype), gate.device)
     block_m, block_n = _tile(n)
     if m * n > 0:
-        _glu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _glu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
             ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
@@ -109,7 +111,7 @@ def glu_bwd(dy, gate, up, act: str, dgate=None, dup=None):
     dup = alloc((m, n), up.dtype, up.device) if dup is None else dup
     block_m, block_n = _tile(n)
     if m * n > 0:
-        _glu_bwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _glu_bwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             dy2, g2, u2, dgate, dup, m, n,
             dy2.stride(0), g2.stride(0), u2.stride(0), dgate.stride(0), dup.stride(0),
             ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,

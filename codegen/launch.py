@@ -4,6 +4,7 @@ Under Triton's CPU interpreter (TRITON_INTERPRET=1) every program instance costs
 are larger and persistent grids smaller there; on a GPU the tile sizes follow the usual rules for
 memory-bound row kernels (one row of up to 8K elements per program, 4-16 warps).
 """
+import functools
 import hashlib
 import importlib.util
 import os
@@ -12,8 +13,21 @@ import tempfile
 import torch
 import triton
 
+from fusion_compiler import _compat
+
 MAX_ROW = 65536  # widest row a row-kernel keeps in registers
 POISON = False  # tests set this: outputs start as NaN (or -1), so an element a kernel misses shows
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function in Triton 3.6: several us a
+    call from the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for tile sizes (as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length()
 
 
 def alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,8 +54,13 @@ def can_launch(device: torch.device) -> str | None:
 
 def row_tile(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of n_cols in registers."""
-    block_n = triton.next_power_of_2(max(n_cols, 1))
-    target = 16384 if interpreting() else 4096
+    return _row_tile(n_cols, interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _row_tile(n_cols: int, interpreter: bool) -> tuple[int, int, int]:
+    block_n = next_pow2(max(n_cols, 1))
+    target = 16384 if interpreter else 4096
     block_m = max(1, min(64, target // block_n))
     num_warps = 4 if block_n * block_m <= 2048 else 8 if block_n * block_m <= 8192 else 16
     return block_m, block_n, num_warps
@@ -53,8 +72,13 @@ def bwd_row_tile(n_cols: int) -> tuple[int, int, int, int]:
     Measured on the H200 (benchmarks/tune_tiles.py, 32768 rows, bf16): 8K-16K elements per loop
     iteration and 1-2 programs per SM reach ~4.0 TB/s; one row per iteration stalled at ~3.3 TB/s.
     """
-    block_n = triton.next_power_of_2(max(n_cols, 1))
-    target = 16384 if interpreting() or block_n > 2048 else 8192
+    return _bwd_row_tile(n_cols, interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_row_tile(n_cols: int, interpreter: bool) -> tuple[int, int, int, int]:
+    block_n = next_pow2(max(n_cols, 1))
+    target = 16384 if interpreter or block_n > 2048 else 8192
     block_m = max(1, min(64, target // block_n))
     num_warps = 4 if block_n <= 2048 else 16
     return block_m, block_n, num_warps, (2 if block_n <= 2048 else 1)
@@ -89,8 +113,8 @@ _DIR = os.path.join(tempfile.gettempdir(), f"fusion_compiler_kernels_{os.getuid(
 
 
 def load_kernel(source: str, prefix: str, name: str):
-    """The function `name` of a generated Triton source (written to a file named by its hash, so
-    that Triton, which reads a jit function's source from its file, can compile it)."""
+    """The kernel `name` (a FastKernel on a GPU) of a generated Triton source (written to a file
+    named by its hash, so that Triton, which reads a jit function's source from its file, can compile it)."""
     module_name = f"{prefix}_" + hashlib.sha1(source.encode()).hexdigest()[:20]
     os.makedirs(_DIR, exist_ok=True)
     path = os.path.join(_DIR, module_name + ".py")
@@ -102,4 +126,45 @@ def load_kernel(source: str, prefix: str, name: str):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, name)
+    return fast_launch(getattr(module, name))
+
+
+class FastKernel:
+    """A @triton.jit kernel whose repeated launches skip Triton's per-call key building and lookup.
+
+    `kernel[grid](*args, **kwargs)` binds the arguments with Triton's own binder (its specialization
+    rules: dtypes, 16-byte alignment, integers equal to 1, constexprs), looks the compiled kernel up
+    by that specialization, and calls its launcher. The first launch of a specialization, and every
+    launch while a profiler hook or Triton's debug mode is on, goes through Triton's own path. Every
+    other attribute is the JITFunction's.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **kwargs):
+        device = torch.cuda.current_device()
+        bound, specialization, options = _compat.triton_binder(self.fn, device)(*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        compiled = self.compiled.get(key)
+        if compiled is None or _compat.triton_launch_hooked():
+            self.compiled[key] = _compat.triton_ready(self.fn[grid](*args, **kwargs))
+            return
+        _compat.triton_launch(compiled, grid, _compat.cuda_raw_stream(device), bound.values())
+
+
+def fast_launch(fn):
+    """Decorator above @triton.jit: a FastKernel where Triton compiles for a GPU and its launch
+    internals are the ones _compat checks; the kernel unchanged elsewhere (the interpreter) and in
+    Triton's debug mode (TRITON_DEBUG: its checks are compiled into the kernels Triton's path picks)."""
+    if _compat.TRITON_FAST_LAUNCH and isinstance(fn, triton.runtime.jit.JITFunction) and \
+            not triton.knobs.runtime.debug:
+        return FastKernel(fn)
+    return fn

@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, as_rows, bwd_row_tile, persistent_programs, row_tile
+from .launch import alloc, as_rows, bwd_row_tile, cdiv, fast_launch, persistent_programs, row_tile
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_fwd_kernel(
     # pointers
@@ -45,6 +46,7 @@ def _layer_norm_fwd_kernel(
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
     # pointers
@@ -100,7 +102,7 @@ def layer_norm_fwd(x, weight, bias, eps):
     rstd = alloc((m,), torch.float32, x.device)
     block_m, block_n, warps = row_tile(n)
     if m > 0:
-        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _layer_norm_fwd_kernel[(cdiv(m, block_m),)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2, y, mean, rstd,
             m, n, x2.stride(0), y.stride(0), eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -116,7 +118,7 @@ def layer_norm_bwd(dy, x, weight, mean, rstd):
     m = x2.shape[0]
     dx = alloc((m, n), x.dtype, x.device)
     block_m, block_n, warps, per_sm = bwd_row_tile(n)
-    progs = persistent_programs(triton.cdiv(m, block_m), x.device, per_sm)
+    progs = persistent_programs(cdiv(m, block_m), x.device, per_sm)
     dw_partial = torch.zeros((progs, n), dtype=torch.float32, device=x.device)
     db_partial = torch.zeros((progs, n), dtype=torch.float32, device=x.device)
     if m > 0:

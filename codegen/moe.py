@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .glu import ACTIVATIONS, _act_and_grad
-from .launch import alloc, interpreting
+from .launch import alloc, cdiv, fast_launch, interpreting
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps) for the row-tile kernels; (BLOCK_P, BLOCK_Q,
 # BLOCK_K, stages, warps) for the weight gradients. The interpreter's tiles are small: each program
@@ -77,7 +77,7 @@ def tiles(routing: Routing, block_m: int) -> torch.Tensor:
     counts = offsets[1:] - offsets[:-1]
     per = (counts + block_m - 1) // block_m
     ends = torch.cumsum(per, 0)
-    pid = torch.arange(triton.cdiv(rows, block_m) + experts, device=offsets.device)
+    pid = torch.arange(cdiv(rows, block_m) + experts, device=offsets.device)
     e = torch.searchsorted(ends, pid, right=True).clamp(max=experts - 1)
     first = offsets[e] + (pid - (ends[e] - per[e])) * block_m
     end = torch.minimum(first + block_m, offsets[e + 1])
@@ -133,6 +133,7 @@ def _dot_rows(acc, a_ptrs, a_mask, b_ptrs, n_mask, K, sb_k,
     return acc
 
 
+@fast_launch
 @triton.jit
 def _up_fwd(TILES, X, TOKEN, WG, WU, A1, H,
             n_tiles, N, K, sx, sg_e, sg_n, sg_k, su_e, su_n, su_k, sa1, sh,
@@ -174,6 +175,7 @@ def _up_fwd(TILES, X, TOKEN, WG, WU, A1, H,
         tl.store(H + rows[:, None].to(tl.int64) * sh + cols[None, :], act.to(H.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _down_fwd(TILES, H, WD, PERM, WEIGHT, SLOTS,
               n_tiles, N, K, sh, sd_e, sd_n, sd_k, ss,
@@ -193,6 +195,7 @@ def _down_fwd(TILES, H, WD, PERM, WEIGHT, SLOTS,
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _down_bwd(TILES, DOUT, TOKEN, WD, WEIGHT, A1, DA1, DWP,
               n_tiles, N, K, sdo, sd_e, sd_n, sd_k, sa1, sda1, n_col_tiles,
@@ -227,6 +230,7 @@ def _down_bwd(TILES, DOUT, TOKEN, WD, WEIGHT, A1, DA1, DWP,
         tl.store(DWP + rows.to(tl.int64) * n_col_tiles + pid_n, tl.sum(tl.where(mask, g * h, 0.0), 1), mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _up_bwd(TILES, DA1, WG, WU, PERM, SLOTS,
             n_tiles, N, K, sda1, sg_e, sg_n, sg_k, su_e, su_n, su_k, ss,
@@ -249,6 +253,7 @@ def _up_bwd(TILES, DA1, WG, WU, PERM, SLOTS,
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _weight_grad(L, L_ROW, L_SCALE, R, R_ROW, OFFSETS, OUT,
                  P, Q, sl, sr, so_e, so_p, so_q,
@@ -294,7 +299,7 @@ def _launch_rows(kernel, routing: Routing, n: int, gated: bool, args: tuple, dty
     block_m, block_n, block_k, group_m, stages, warps = _row_config(gated)
     table = tiles(routing, block_m)
     n_tiles = table.shape[1]
-    grid = (n_tiles * triton.cdiv(n, block_n),)
+    grid = (n_tiles * cdiv(n, block_n),)
     kernel[grid](table, *args, n_tiles, *flags.pop("sizes"),
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                  UPCAST=_upcast(dtype), PRECISION=_precision(dtype), num_stages=stages, num_warps=warps, **flags)
@@ -331,7 +336,7 @@ def backward(dout, x, routing: Routing, w_gate, w_up, w_down, a1, h, act: str, g
     wu = w_up if gated else w_gate
     da1 = alloc(a1.shape, x.dtype, x.device)
     block_n = _row_config(False)[1]
-    dwp = torch.zeros((rows, triton.cdiv(ffn, block_n)), dtype=torch.float32, device=x.device)
+    dwp = torch.zeros((rows, cdiv(ffn, block_n)), dtype=torch.float32, device=x.device)
     empty = rows == 0 or ffn == 0 or width == 0
     if not empty:
         _launch_rows(_down_bwd, routing, ffn, False, (dout, routing.token, w_down, routing.weight, a1, da1, dwp),
@@ -369,7 +374,7 @@ def _weight_grad_into(out: torch.Tensor, routing: Routing, left, right, left_row
         return
     block_p, block_q, block_k, stages, warps = INTERPRETER_WEIGHT_CONFIG if interpreting() else WEIGHT_CONFIG
     unused = routing.token  # stands in for an index or scale pointer the kernel does not read
-    grid = (triton.cdiv(p, block_p) * triton.cdiv(q, block_q), experts)
+    grid = (cdiv(p, block_p) * cdiv(q, block_q), experts)
     _weight_grad[grid](
         left, unused if left_rows is None else left_rows, routing.weight if scale is None else scale,
         right, unused if right_rows is None else right_rows, routing.offsets, out,

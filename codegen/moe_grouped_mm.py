@@ -19,7 +19,7 @@ import triton.language as tl
 from fusion_compiler._compat import grouped_mm
 
 from .glu import glu_bwd, glu_fwd
-from .launch import alloc, interpreting
+from .launch import alloc, cdiv, fast_launch, interpreting, next_pow2
 from .moe import Routing
 
 _ACT = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
@@ -60,6 +60,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+@fast_launch
 @triton.jit
 def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
                     TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -81,6 +82,7 @@ def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
              mask=t_mask[:, None] & d_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _scatter_grad_kernel(DOUT, TOKEN, WEIGHT, Y, END, DY, DW, n_rows, D, sdo, sy, sdy,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -103,7 +105,7 @@ def _scatter_grad_kernel(DOUT, TOKEN, WEIGHT, Y, END, DY, DW, n_rows, D, sdo, sy
 
 
 def _tile(n: int) -> tuple[int, int]:
-    block_d = min(triton.next_power_of_2(max(n, 1)), 256 if interpreting() else 1024)
+    block_d = min(next_pow2(max(n, 1)), 256 if interpreting() else 1024)
     return (16 if interpreting() else 4), block_d
 
 
@@ -116,7 +118,7 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
     block_t, block_d = _tile(width)
     if tokens and width:
         flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
-        _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_d))](
+        _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
             rows_out, inverse, flat_weight, routing.offsets[-1:], out, tokens, width, rows_out.stride(0),
             out.stride(0), TOP_K=routing.top_k, WEIGHTED=weighted, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return out
@@ -168,7 +170,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, g
         dw_rows = alloc((rows,), torch.float32, x.device)
         block_s, block_d = _tile(width)
         if rows and width:
-            _scatter_grad_kernel[(triton.cdiv(rows, block_s),)](
+            _scatter_grad_kernel[(cdiv(rows, block_s),)](
                 dout, routing.token, routing.weight, y, routing.offsets[-1:], dy, dw_rows, rows, width,
                 dout.stride(0), y.stride(0), dy.stride(0), BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     dh = grouped_mm(dy, w_down, offs=ends)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, load_kernel
+from .launch import fast_launch, interpreting, load_kernel
 from .pointwise import ARITHMETIC, ROUND_BF16, TRITON
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
@@ -264,6 +264,7 @@ def verify(program: Program, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@fast_launch
 @triton.jit
 def _sum_squares_kernel(BASE, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL, BLOCK: tl.constexpr,
                         PER: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr):
@@ -288,6 +289,7 @@ def _sum_squares_kernel(BASE, OFFSETS, BLOCK_LANE, BLOCK_START, NUMELS, PARTIAL,
     tl.store(PARTIAL + pid, tl.sum(acc, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _lane_sum_kernel(PARTIAL, FIRST, OUT, MAX_BLOCKS: tl.constexpr):
     lane = tl.program_id(0)

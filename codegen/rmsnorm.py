@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from . import fp8
-from .launch import alloc, as_rows, bwd_row_tile, persistent_programs, row_tile
+from .launch import alloc, as_rows, bwd_row_tile, cdiv, fast_launch, persistent_programs, row_tile
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     # pointers
@@ -56,6 +57,7 @@ def _rms_norm_fwd_kernel(
         tl.store(INV + rows, inv, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     # pointers
@@ -107,7 +109,7 @@ def rms_norm_fwd(x, weight, eps, residual=None, fp8_dtype=None):
         q, inv = alloc((m, n), fp8_dtype, x.device), alloc((m, 1), torch.float32, x.device)
     block_m, block_n, warps = row_tile(n)
     if m > 0:
-        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _rms_norm_fwd_kernel[(cdiv(m, block_m),)](
             x2, r2 if r2 is not None else x2, weight.contiguous(), y, h if h is not None else y, rstd,
             q if q is not None else y, inv if inv is not None else rstd,
             m, n,
@@ -128,7 +130,7 @@ def rms_norm_bwd(dy, h, weight, rstd, dh_in=None):
     dh2 = as_rows(dh_in) if dh_in is not None else None
     dx = alloc((m, n), h.dtype, h.device)
     block_m, block_n, warps, per_sm = bwd_row_tile(n)
-    progs = persistent_programs(triton.cdiv(m, block_m), h.device, per_sm)
+    progs = persistent_programs(cdiv(m, block_m), h.device, per_sm)
     dw_partial = torch.zeros((progs, n), dtype=torch.float32, device=h.device)
     if m > 0:
         _rms_norm_bwd_kernel[(progs,)](

@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from . import launch
-from .launch import alloc, interpreting
+from .launch import alloc, cdiv, fast_launch, interpreting, next_pow2
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     # pointers
@@ -109,10 +110,10 @@ def rope(x, cos, sin, interleaved: bool, backward: bool = False):
     x4, c4, s4, o4 = (_as_4d(t) for t in (x, cos, sin, out))
     rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
     half = x.shape[-1] // 2
-    block_p = triton.next_power_of_2(half)
+    block_p = next_pow2(half)
     block_r = max(1, (8192 if interpreting() else 2048) // block_p)
     if rows > 0:
-        _rope_kernel[(triton.cdiv(rows, block_r),)](
+        _rope_kernel[(cdiv(rows, block_r),)](
             x4, c4, s4, o4,
             rows, x4.shape[1], x4.shape[2], half,
             *x4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3], *o4.stride()[:3],

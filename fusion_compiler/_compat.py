@@ -1,9 +1,11 @@
-"""Every private PyTorch symbol the project uses, in one place, gated by version.
+"""Every private PyTorch symbol the project uses, in one place, gated by version (and the Triton launch
+internals codegen/launch.py uses).
 
 tests/test_compat.py imports each name below and fails loudly when one moves.
 Supported: torch 2.11 (the GPU machine) to 2.13 (CI).
 """
 import torch
+import triton
 
 MIN_TORCH = (2, 11)
 _version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -72,6 +74,50 @@ def has_unbacked(value) -> bool:
     return any(isinstance(s, torch.SymInt) and _symbolic_shapes.has_free_unbacked_symbols(s) for s in sizes)
 
 
+# --- Triton's launch internals (codegen/launch.py's FastKernel), checked for the versions listed ------
+# A JITFunction launch binds its arguments, derives the specialization (dtypes, 16-byte alignment,
+# integers equal to 1), builds a string key, looks the compiled kernel up, checks globals and then
+# calls the compiled kernel's launcher: 36 us of host time on the H200 machine, of which the binder
+# is 7 and the launcher 8 (benchmarks/host_overhead.py). FastKernel keeps the binder (Triton's own
+# specialization rules) and the launcher and skips the rest.
+TRITON_FAST_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) in {(3, 6)}
+
+
+def triton_binder(fn, device: int):
+    """The function binding a JITFunction's call arguments on `device`: -> (bound arguments in
+    signature order, specialization list, remaining options)."""
+    return fn.device_caches[device][4]
+
+
+def triton_launch_hooked() -> bool:
+    """A launch hook is set (a profiler): launches take Triton's own path, which calls it."""
+    rt = triton.knobs.runtime  # a hook is a HookChain (3.6: empty unless one was added), or None, or a function
+    return any(bool(getattr(h, "calls", h)) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _raw_stream():
+    try:  # what Triton's own launch passes (triton/backends/driver.py does the same)
+        from torch._C import _cuda_getCurrentRawStream
+        return _cuda_getCurrentRawStream
+    except ImportError:  # a CPU-only build of torch
+        return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+cuda_raw_stream = _raw_stream()  # device index -> the handle of its current CUDA stream
+
+
+def triton_ready(compiled):
+    """The CompiledKernel a JITFunction launch returned (waiting for an asynchronous compile)."""
+    return compiled.result() if hasattr(compiled, "result") else compiled
+
+
+def triton_launch(compiled, grid: tuple, stream: int, args) -> None:
+    """Launch a CompiledKernel with every argument of its signature (constexprs included)."""
+    run = compiled.run  # loads the binary on first use
+    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, compiled.function,
+        compiled.packed_metadata, None, None, None, *args)
+
+
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
@@ -87,6 +133,7 @@ __all__ = [
     "aot_eager",
     "capture_dynamic_output_shapes",
     "compile_fx",
+    "cuda_raw_stream",
     "detect_fake_mode",
     "dynamo_optimize",
     "get_hash_for_files",
@@ -97,4 +144,8 @@ __all__ = [
     "size_hint",
     "sym_expr",
     "tracing",
+    "triton_binder",
+    "triton_launch",
+    "triton_launch_hooked",
+    "triton_ready",
 ]
