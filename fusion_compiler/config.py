@@ -67,7 +67,9 @@ class FusionConfig:
     cudagraphs: hand the rewritten graphs to Inductor with its CUDA graphs on (what torch.compile's
         mode="reduce-overhead" sets; Inductor skips them where a graph cannot be captured). A step is
         replayed with one launch, so the host cost of each op (the project's ops pay Python dispatch
-        and Triton launch costs on every call) no longer adds to the step time. Off by default, as in
+        and Triton launch costs on every call) no longer adds to the step time, and the cost model
+        stops charging it: off, a region is taken only where its GPU time saved exceeds the host time
+        of its op calls (DeviceProfile.op_host_s). Off by default, as in
         torch.compile: the outputs of a replayed graph are overwritten by the next replay.
     moe_impl: how routed experts run: "auto" (the cost model picks per shape), "triton" (generated
         grouped GEMMs gathering rows in-kernel) or "grouped_mm" (torch's grouped GEMM; bf16 on CUDA,
@@ -125,6 +127,12 @@ class FusionConfig:
         if self.cost_baseline is not None:
             return self.cost_baseline
         return "inductor" if self.handoff == "inductor" else "eager"
+
+    @property
+    def replays_graphs(self) -> bool:
+        """Decisions assume the step is replayed as CUDA graphs (no host cost per op call); explain()
+        reports them so, although its own hand-off is eager."""
+        return self.cudagraphs
 
     def enables(self, pattern) -> bool:
         if pattern.family in self.disable_families or pattern.name in self.disable_patterns:

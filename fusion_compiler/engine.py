@@ -337,15 +337,13 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
     estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
-    if config.verify_kernels:
-        failure = verify_replacement(pattern, values, training)
-        if failure:
-            return _row(gid, pattern, match, "rejected", failure, estimate), None, []
     grads = [isinstance(a, fx.Node) and a in needs_grad for a in match.inputs]
     try:
         replacement = trace_function(pattern.replacement, _with_grad_flags(values, grads))
     except Exception as e:  # noqa: BLE001
-        return _row(gid, pattern, match, "rejected", f"replacement failed to trace: {type(e).__name__}: {e}"), None, []
+        failure = verify_replacement(pattern, values, training) if config.verify_kernels else None
+        return _row(gid, pattern, match, "rejected", failure or
+                    f"replacement failed to trace: {type(e).__name__}: {e}", estimate if failure else None), None, []
     if any(n.op == "get_attr" and not isinstance(getattr(replacement, n.target), fx.GraphModule)
            for n in replacement.graph.nodes):
         return _row(gid, pattern, match, "rejected",
@@ -353,9 +351,24 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
     layout = _layout_change(match, replacement)
     if layout:
         return _row(gid, pattern, match, "rejected", layout), None, []
+    if config.baseline == "inductor" and not config.replays_graphs:  # eager pays host time per op too
+        estimate = cost.with_host_time(estimate, _op_calls(replacement, training), ctx.profile)
+        if config.cost_model == "roofline" and not estimate.profitable:
+            return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
+    if config.verify_kernels:  # last: it runs the kernels (the interpreter on CPU)
+        failure = verify_replacement(pattern, values, training)
+        if failure:
+            return _row(gid, pattern, match, "rejected", failure, estimate), None, []
     reason = estimate.reason() if config.cost_model == "roofline" else \
         f"cost model off (cost_model='always'); {estimate.reason()}"
     return _row(gid, pattern, match, "applied", reason, estimate), replacement, dropped
+
+
+def _op_calls(replacement: fx.GraphModule, training: bool) -> int:
+    """Project-op calls a step makes for the replacement: each op once forward, once more backward."""
+    ops = sum(n.op == "call_function" and isinstance(n.target, _compat.OpOverload) and n.target.namespace == "fusion"
+              for n in replacement.graph.nodes)
+    return ops * (2 if training else 1)
 
 
 def _with_grad_flags(values: list, grads: list[bool]) -> list:

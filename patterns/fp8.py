@@ -198,7 +198,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
                                             recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
                                             readers=plan[2] if plan else 1,
-                                            replayed=config.cudagraphs and config.handoff == "inductor")
+                                            replayed=config.replays_graphs)
         if config.cost_model == "roofline" and not estimate.profitable:
             log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate))
             continue

@@ -274,3 +274,15 @@ def test_cudagraphs_reach_inductor(monkeypatch):
         torch.compiler.reset()
         torch.compile(lambda x: x.sin() + 1, backend=fc.backend(cudagraphs=cudagraphs))(torch.randn(8))
     assert seen == [{"triton.cudagraphs": True}, None]
+
+
+def test_small_saving_outside_cuda_graphs_stays_on_inductor():
+    """A region whose estimated GPU saving is smaller than the host time of its op calls stays on
+    Inductor, unless the step is replayed as CUDA graphs (then only the GPU time counts)."""
+    x = torch.randn(1024, 2048, requires_grad=True)
+    w = torch.randn(2048, requires_grad=True)
+    op_by_op = fc.explain(rms, x, w).decisions[0]
+    assert op_by_op.verdict == "rejected" and "host time of 2 op call(s) 100 us" in op_by_op.reason
+    replayed = fc.explain(rms, x, w, config=fc.FusionConfig(cudagraphs=True)).decisions[0]
+    assert replayed.verdict == "applied" and "host time" not in replayed.reason
+    assert 0 < replayed.time_saved_us < 100
