@@ -75,7 +75,22 @@ def make_step(mode, batch=2, seq=2048):
     return step, (be if not isinstance(be, str) else None), model, opt
 
 
-def run_mode(mode, steps, batch=2, seq=2048, profile=False):
+def host_syncs(step) -> list:
+    """The CUDA synchronizations one step makes (torch.cuda's sync debug mode warns at each): a sync
+    drains the launch queue, so the GPU idles until the host has launched the next kernels."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
+
+
+def run_mode(mode, steps, batch=2, seq=2048, profile=False, sync_check=False):
     import fusion_compiler as fc
     step, be, model, opt = make_step(mode, batch, seq)
     torch.cuda.synchronize()
@@ -99,6 +114,9 @@ def run_mode(mode, steps, batch=2, seq=2048, profile=False):
                tokens_per_s=int(batch * seq / ms * 1e3),
                peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                peak_MiB=round(torch.cuda.max_memory_allocated() / 2**20, 1), loss0=round(loss0, 4))
+    if sync_check:
+        row["host_syncs"] = host_syncs(step)
+        print(mode, "host syncs in one step:", row["host_syncs"], flush=True)
     if profile:  # and the step's GPU time: kernels alone, no launch gaps (wall time above that: the host)
         row["gpu_ms"] = round(bench_gpu_ms(step, iters=5), 2)
         row["kernels"] = kernels_ms(step, top=25)
@@ -121,11 +139,12 @@ def main():
                     default=["eager", "inductor", "fusion", "fusion_drop_logits", "fusion_always", "liger"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also list each mode's 25 most expensive kernels")
+    ap.add_argument("--sync-check", action="store_true", help="also list the CUDA synchronizations of one step")
     a = ap.parse_args()
     rows = []
     for mode in a.modes:
         try:
-            rows.append(run_mode(mode, a.steps, profile=a.profile))
+            rows.append(run_mode(mode, a.steps, profile=a.profile, sync_check=a.sync_check))
         except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not the end of the run)
             rows.append(dict(mode=mode, step_ms=f"failed: {type(e).__name__}: {str(e)[:120]}"))
             torch.compiler.reset()

@@ -1,9 +1,13 @@
 """Host time per call of the project's ops against ATen's, on tiny operands (the GPU finishes each
 kernel before the host issues the next, so the loop's time is the host's): custom-op dispatch, the
-Python wrapper, Triton's launch.
+Python wrapper, Triton's launch (its own and codegen/launch.py's FastKernel), and the dispatch of a
+trivial body as a plain function, a torch.library op and a custom_op; then a profile of the FP8
+linear's forward + backward.
 
     python benchmarks/host_overhead.py
 """
+import cProfile
+import pstats
 import time
 
 import torch
@@ -36,15 +40,29 @@ def main():
     block_m, block_n, warps = row_tile(256)
     grid = (triton.cdiv(16, block_m),)
 
-    def bare_launch():
-        rmsnorm._rms_norm_fwd_kernel[grid](xd, xd, wd, y, y, rstd, y, rstd, 16, 256, 256, 0, 256, 0, 1e-6,
-                                           HAS_RESIDUAL=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                           QUANT=False, **fp8.cast_args(torch.float8_e4m3fn))
+    args = (xd, xd, wd, y, y, rstd, y, rstd, 16, 256, 256, 0, 256, 0, 1e-6)
+    kwargs = dict(HAS_RESIDUAL=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, QUANT=False,
+                  **fp8.cast_args(torch.float8_e4m3fn))
+    kernel = rmsnorm._rms_norm_fwd_kernel  # a FastKernel on the GPU
+    triton_fn = getattr(kernel, "fn", kernel)
+
+    def body(x, w, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape[:1])
+
+    lib = torch.library.Library("host_probe", "DEF")
+    lib.define("lib_op(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)")
+    lib.impl("lib_op", body, "CUDA")
+    custom = torch.library.custom_op("host_probe::custom", body, mutates_args=(),
+                                     schema="(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)")
     cases = {
+        "python function: two new_empty": lambda: body(xd, wd, 1e-6),
+        "the same as a Library op (CUDA kernel)": lambda: torch.ops.host_probe.lib_op.default(xd, wd, 1e-6),
+        "the same as a custom_op": lambda: custom(xd, wd, 1e-6),
         "aten F.rms_norm fwd": lambda: F.rms_norm(xd, (256,), wd, 1e-6),
-        "fusion.rms_norm fwd (custom op)": lambda: torch.ops.fusion.rms_norm(xd, wd, 1e-6),
+        "fusion.rms_norm fwd (the op)": lambda: torch.ops.fusion.rms_norm(xd, wd, 1e-6),
         "rmsnorm.rms_norm_fwd (wrapper, no op)": lambda: rmsnorm.rms_norm_fwd(xd, wd, 1e-6),
-        "bare Triton launch (rms_norm_fwd kernel)": bare_launch,
+        "Triton's own launch (rms_norm_fwd kernel)": lambda: triton_fn[grid](*args, **kwargs),
+        "FastKernel launch (rms_norm_fwd kernel)": lambda: kernel[grid](*args, **kwargs),
         "aten F.rms_norm fwd+bwd": lambda: F.rms_norm(x, (256,), w, 1e-6).sum().backward(),
         "fusion.rms_norm fwd+bwd": lambda: torch.ops.fusion.rms_norm(x, w, 1e-6)[0].sum().backward(),
         "aten F.linear fwd+bwd": lambda: F.linear(x, lw).sum().backward(),
@@ -56,6 +74,9 @@ def main():
         "torch.zeros": lambda: torch.zeros(16, 256, device="cuda"),
     }
     rows = [dict(case=name, host_us=host_us(fn)) for name, fn in cases.items()]
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [cases["fusion.fp8_linear fwd+bwd (rowwise)"]() for _ in range(200)])
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
     save("host_overhead.json", {"env": env(), "rows": rows})
     print(table(rows, ["case", "host_us"]))
 
