@@ -135,8 +135,8 @@ class FastKernel:
     `kernel[grid](*args, **kwargs)` binds the arguments with Triton's own binder (its specialization
     rules: dtypes, 16-byte alignment, integers equal to 1, constexprs), looks the compiled kernel up
     by that specialization, and calls its launcher. The first launch of a specialization, and every
-    launch while a profiler hook or Triton's debug mode is on, goes through Triton's own path. Every
-    other attribute is the JITFunction's.
+    launch while a profiler's launch hook is set, goes through Triton's own path. Every other
+    attribute is the JITFunction's.
     """
 
     def __init__(self, fn):
