@@ -118,6 +118,29 @@ def triton_launch(compiled, grid: tuple, stream: int, args) -> None:
         compiled.packed_metadata, None, None, None, *args)
 
 
+def carry_dynamo_input_marks(src, dst) -> bool:
+    """Copy Dynamo's marks of the graph inputs (each placeholder's source; parameters and buffers are
+    static inputs) from the graph Dynamo handed the backend to the ATen graph it hands on. AOTAutograd
+    reads them (frontend_utils: dynamo_compile_id, _param_name_to_source, node._dynamo_source,
+    meta["tensor_dict"]["_dynamo_static_input_type"]) to tell CUDA graphs which inputs keep their
+    address; without them every parameter is copied into the graph's buffers at each replay. False
+    (nothing copied) where the inputs do not correspond one to one."""
+    if "dynamo_compile_id" not in src.meta:
+        return False
+    ours = list(src.graph.find_nodes(op="placeholder"))
+    theirs = list(dst.graph.find_nodes(op="placeholder"))
+    if len(ours) != len(theirs) or not all(hasattr(n, "_dynamo_source") for n in ours) or \
+            any(True for _ in dst.named_parameters()) or any(True for _ in dst.named_buffers()):
+        return False
+    dst.meta["dynamo_compile_id"] = src.meta["dynamo_compile_id"]
+    dst._param_name_to_source = getattr(src, "_param_name_to_source", {})
+    for a, b in zip(ours, theirs):
+        b._dynamo_source = a._dynamo_source
+        if "tensor_dict" in a.meta:
+            b.meta["tensor_dict"] = a.meta["tensor_dict"]
+    return True
+
+
 _DECOMPOSE = [torch.ops.aten._fused_rms_norm.default]
 CANONICAL_DECOMPOSITIONS = get_decompositions(_DECOMPOSE)
 
@@ -132,6 +155,7 @@ __all__ = [
     "RECOMPUTE_META",
     "aot_eager",
     "capture_dynamic_output_shapes",
+    "carry_dynamo_input_marks",
     "compile_fx",
     "cuda_raw_stream",
     "detect_fake_mode",

@@ -70,6 +70,7 @@ class FusionBackend:
             return self._handoff(gm, example_inputs)
         try:
             patches = {"joint_custom_pre_pass": recompute.JointCheck(marked, self.log, gid)} if marked else {}
+            _compat.carry_dynamo_input_marks(gm, aten_gm)  # CUDA graphs: parameters keep their address
             return self._handoff(aten_gm, example_inputs, gid, patches)
         except Exception as e:  # noqa: BLE001  (the rewritten graph failed to compile: undo, say why)
             self._handoff_failed(gid, "graph", e)

@@ -286,3 +286,30 @@ def test_small_saving_outside_cuda_graphs_stays_on_inductor():
     replayed = fc.explain(rms, x, w, config=fc.FusionConfig(cudagraphs=True)).decisions[0]
     assert replayed.verdict == "applied" and "host time" not in replayed.reason
     assert 0 < replayed.time_saved_us < 100
+
+
+def test_parameters_reach_inductor_as_static_inputs():
+    """Dynamo's marks of the parameters (static addresses) reach AOTAutograd through the rewritten
+    ATen graph. Under CUDA graphs an unmarked input is copied into the graph's buffers at every
+    replay: the reference Llama step copied its 41 weights each step, 0.79 ms (stop 21)."""
+    import logging
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("torch._functorch._aot_autograd.frontend_utils.__cudagraph_static_inputs")
+    handler = Collect()
+    torch._logging.set_logs(cudagraph_static_inputs=True)
+    logger.addHandler(handler)
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        be = fc.backend()
+        torch.compile(m, backend=be)(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert be.rewritten, "the ATen graph was not handed off"
+    static = sorted(m.split("source ")[1] for m in seen if m.startswith("Adding static input"))
+    assert static == sorted(f"L['fn']._modules['{i}']._parameters['{p}']" for i in (0, 2) for p in ("weight", "bias"))
