@@ -70,7 +70,8 @@ def reference_layer():
         return layer(h + residual, position_embeddings=(cos, sin))
 
     report = fc.explain(block, h, torch.randn_like(h), cos, sin)
-    print("\n== 2. one reference Llama layer (hidden 2048, 2 x 2048 tokens, bf16, training), default config:")
+    print("\n== 2. one reference Llama layer (hidden 2048, 2 x 2048 tokens, bf16, training), default config "
+          "(launched op by op: each op call's host time counts; FusionConfig(cudagraphs=True) drops it):")
     print(report)
 
 
