@@ -184,6 +184,7 @@ class CostContext:
     baseline: str  # "inductor" | "eager"
     training: bool  # does any region input need a gradient (set per match by the engine)
     prefer_memory: bool = False  # FusionConfig.prefer_memory
+    replayed: bool = False  # FusionConfig.cudagraphs: the step is replayed as CUDA graphs (no host cost per op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,10 +219,12 @@ class Estimate:
                 f" ({self.ours_bytes / 2**20:.1f} vs {self.baseline_bytes / 2**20:.1f} MiB){extra}")
 
 
-def with_host_time(estimate: Estimate, calls: int, p: DeviceProfile) -> Estimate:
-    """The estimate with the host time of `calls` project-op calls added to ours (launched op by op,
-    outside CUDA graphs): a region whose GPU saving is smaller than that costs wall time."""
-    if calls == 0 or p.op_host_s == 0.0:
+def with_host_time(estimate: Estimate, calls: int, ctx: CostContext) -> Estimate:
+    """The estimate with the host time of `calls` project-op calls added to ours where the step is
+    launched op by op against Inductor (outside CUDA graphs; eager pays host time per op too): a
+    region whose GPU saving is smaller than that costs wall time."""
+    p = ctx.profile
+    if calls == 0 or p.op_host_s == 0.0 or ctx.replayed or ctx.baseline != "inductor":
         return estimate
     host = calls * p.op_host_s
     note = (f"host time of {calls} op call(s) {host * 1e6:.0f} us included (launched op by op; "

@@ -333,7 +333,7 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
             return _row(gid, pattern, match, "rejected", why), None, []
     device = next((v.device for v in match.tensor_inputs()), torch.device("cpu"))
     ctx = cost.CostContext(cost.profile_for(device, config.device_profile), config.baseline, training,
-                           config.prefer_memory)
+                           config.prefer_memory, config.replays_graphs)
     estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
@@ -351,10 +351,9 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
     layout = _layout_change(match, replacement)
     if layout:
         return _row(gid, pattern, match, "rejected", layout), None, []
-    if config.baseline == "inductor" and not config.replays_graphs:  # eager pays host time per op too
-        estimate = cost.with_host_time(estimate, _op_calls(replacement, training), ctx.profile)
-        if config.cost_model == "roofline" and not estimate.profitable:
-            return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
+    estimate = cost.with_host_time(estimate, _op_calls(replacement, training), ctx)
+    if config.cost_model == "roofline" and not estimate.profitable:
+        return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
     if config.verify_kernels:  # last: it runs the kernels (the interpreter on CPU)
         failure = verify_replacement(pattern, values, training)
         if failure:

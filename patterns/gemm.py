@@ -389,9 +389,11 @@ def _decide(gm, chain: Chain, desc, config, gid, needs_grad) -> tuple[Decision, 
     out_dtype = val(chain.last).dtype
     a = val(chain.a)
     ctx = cost.CostContext(cost.profile_for(a.device, config.device_profile), config.baseline, training,
-                           config.prefer_memory)
-    estimate = cost.estimate_gemm_epilogue(a, val(chain.b), [val(s) for s in chain.sides], chain.shape,
-                                           val(chain.last), len(ep.steps), save, ctx)
+                           config.prefer_memory, config.replays_graphs)
+    calls = 2 if training else 1  # fusion::gemm_epilogue, and its backward
+    estimate = cost.with_host_time(cost.estimate_gemm_epilogue(a, val(chain.b), [val(s) for s in chain.sides],
+                                                               chain.shape, val(chain.last), len(ep.steps), save, ctx),
+                                   calls, ctx)
     roofline = config.cost_model == "roofline"
     consumer = _fusable_consumer(chain) if chain.cut else None
     if roofline and consumer is not None and config.baseline == "inductor":
@@ -404,7 +406,7 @@ def _decide(gm, chain: Chain, desc, config, gid, needs_grad) -> tuple[Decision, 
         if failure:
             return _row(gid, desc, chain, "rejected", failure + cut, estimate), 0
     if roofline and config.gemm_timing and a.device.type == "cuda":
-        estimate = _timed(ep, chain, out_dtype, save, ctx)
+        estimate = cost.with_host_time(_timed(ep, chain, out_dtype, save, ctx), calls, ctx)
         if not estimate.profitable:
             return _row(gid, desc, chain, "rejected", estimate.reason() + cut, estimate), 0
     _replace(gm, chain, ep, out_dtype, save)

@@ -615,7 +615,7 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
     x = val(ex.x)
     training = ex.out in needs_grad
     ctx = cost.CostContext(cost.profile_for(x.device, config.device_profile), config.baseline, training,
-                           config.prefer_memory)
+                           config.prefer_memory, config.replays_graphs)
     options = {}
     if can_launch(x.device) is None and not ex.scale_input:  # the Triton kernels weight the output
         options["triton"] = cost.estimate_moe(_shape(ex), "triton", ctx)
@@ -625,7 +625,7 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
         return _row(gid, ex, "rejected", "the routing weight scales the experts' input: grouped_mm path only, and "
                     "grouped_mm cannot run these operands (bf16 on CUDA, 16-byte aligned strides)"), 0
     impl = config.moe_impl if config.moe_impl in options else min(options, key=lambda i: options[i].ours_s)
-    estimate = options[impl]
+    estimate = cost.with_host_time(options[impl], 2 if training else 1, ctx)  # fusion::moe_experts, its backward
     others = "; ".join(f"{name}: est. {e.ours_s * 1e6:.1f} us" for name, e in options.items() if name != impl)
     choice = f"impl {impl}" + (f" (over {others})" if others else "")
     if config.cost_model == "roofline" and not estimate.profitable:

@@ -295,3 +295,14 @@ def test_every_matched_op_has_a_generated_form_and_derivative():
     from fusion_compiler.codegen.pointwise import DERIVATIVES, TRITON
     from fusion_compiler.patterns import gemm as family
     assert set(family.OPS) <= set(TRITON) and set(family.OPS) <= set(DERIVATIVES)
+
+
+def test_small_gpu_saving_outside_cuda_graphs_stays_on_inductor():
+    """A fused GEMM + epilogue estimated faster on the GPU by less than the host time of its op call
+    stays on Inductor when the step is launched op by op (FusionConfig(cudagraphs=True) takes it)."""
+    m = torch.nn.Linear(1024, 1024).to(torch.bfloat16)
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    with torch.no_grad():
+        [d] = fc.explain(lambda x: torch.relu(m(x)) * 0.5, x).decisions
+    assert d.verdict == "rejected" and "host time of 1 op call(s) 50 us" in d.reason
+    assert 0 < d.time_saved_us + cost.PROFILES["h200"].op_host_s * 1e6 < 50  # the GPU alone would take it
