@@ -17,6 +17,7 @@ at most 64 MiB of logits per chunk. liger: Liger-Kernel's patched HF Llama, eage
 patches the model classes for the whole process, so it runs last).
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -150,7 +151,7 @@ def main():
             torch.compiler.reset()
             torch.cuda.empty_cache()
         print(rows[-1], flush=True)
-    save("llama_step.json", {"env": env(), "rows": rows})
+    save(os.environ.get("BENCH_NAME", "llama_step.json"), {"env": env(), "rows": rows})
     print(env())
     print(table(rows, ["mode", "first_step_s", "step_ms", "gpu_ms", "tokens_per_s", "peak_GiB", "peak_MiB", "loss0", "applied", "rejected"]))
 
