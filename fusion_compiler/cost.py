@@ -517,12 +517,12 @@ def _unfused_moe_s(shape: dict, flops: float, spelling: float, ctx: CostContext)
 
 
 def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext,
-                        x_cast: str = "own", readers: int = 1, replayed: bool = False) -> Estimate:
+                        x_cast: str = "own", readers: int = 1) -> Estimate:
     """x [m, k] @ w [n, k]^T (and in training dx and dW) as FP8 GEMMs against cuBLAS in the operands'
     dtype. FP8 adds quantization passes: each operand read (per-tensor scales: twice, an amax pass
     first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward;
     and the host overhead per GEMM measured on a whole train step (DeviceProfile.fp8_overhead_s), not
-    paid where the step is `replayed` as CUDA graphs.
+    paid where the step is replayed as CUDA graphs (ctx.replayed).
     x's forward cast: "own" (this linear's pass), "shared" (one pass for the `readers` linears of x)
     or "fused" (the FP8 copy written by x's producer: only its bytes, shared by the readers)."""
     p = ctx.profile
@@ -545,7 +545,7 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
     quant_bytes = int(sum(operands) * (reads * element_size + 1) + x_bytes)
     launches = len(operands) + (0 if x_cast == "fused" else 1 / share)
     quant = quant_bytes / (p.bandwidth * p.default_efficiency) + launches * (1 if per_row else 2) * p.launch_s
-    quant += 0.0 if replayed else len(products) * p.fp8_overhead_s
+    quant += 0.0 if ctx.replayed else len(products) * p.fp8_overhead_s
     return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,
                     f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization and overhead {quant * 1e6:.1f} us "
                     f"({quant_bytes / 2**20:.1f} MiB) vs {element_size * 8}-bit {high * 1e6:.1f} us ({p.name} profile)")

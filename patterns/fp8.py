@@ -194,11 +194,10 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         x_val, w_val = val(a), val(w)
         plan = plans.get(_key(a))
         ctx = cost.CostContext(cost.profile_for(x_val.device, config.device_profile), config.baseline,
-                               node in needs_grad, config.prefer_memory)
+                               node in needs_grad, config.prefer_memory, config.replays_graphs)
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
                                             recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
-                                            readers=plan[2] if plan else 1,
-                                            replayed=config.replays_graphs)
+                                            readers=plan[2] if plan else 1)
         if config.cost_model == "roofline" and not estimate.profitable:
             log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate))
             continue

@@ -169,9 +169,9 @@ def test_a_2d_input_of_two_linears_is_cast_once():
 def test_a_replayed_step_does_not_pay_the_host_overhead():
     """With CUDA graphs (cudagraphs=True) the measured host cost per FP8 GEMM drops out: the reference
     step's q projection (its input cast in the norm) pays in FP8 then, and not launched op by op."""
-    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", True, False)
-    launched, replayed = (cost.estimate_fp8_linear(4096, 2048, 2048, 2, True, ctx, x_cast="fused", readers=3,
-                                                   replayed=r) for r in (False, True))
+    launched, replayed = (cost.estimate_fp8_linear(4096, 2048, 2048, 2, True,
+                                                   cost.CostContext(cost.PROFILES["h200"], "inductor", True, False, r),
+                                                   x_cast="fused", readers=3) for r in (False, True))
     assert launched.ours_s - replayed.ours_s == pytest.approx(3 * cost.PROFILES["h200"].fp8_overhead_s)
     assert replayed.profitable and not launched.profitable
 
