@@ -128,12 +128,6 @@ class FusionConfig:
             return self.cost_baseline
         return "inductor" if self.handoff == "inductor" else "eager"
 
-    @property
-    def replays_graphs(self) -> bool:
-        """Decisions assume the step is replayed as CUDA graphs (no host cost per op call); explain()
-        reports them so, although its own hand-off is eager."""
-        return self.cudagraphs
-
     def enables(self, pattern) -> bool:
         if pattern.family in self.disable_families or pattern.name in self.disable_patterns:
             return False

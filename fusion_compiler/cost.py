@@ -186,6 +186,13 @@ class CostContext:
     prefer_memory: bool = False  # FusionConfig.prefer_memory
     replayed: bool = False  # FusionConfig.cudagraphs: the step is replayed as CUDA graphs (no host cost per op)
 
+    @classmethod
+    def of(cls, device: torch.device, config, training: bool) -> "CostContext":
+        """The context a FusionConfig gives a region on `device` (explain() keeps the config's
+        baseline and cudagraphs, although its own hand-off is eager)."""
+        return cls(profile_for(device, config.device_profile), config.baseline, training, config.prefer_memory,
+                   config.cudagraphs)
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:

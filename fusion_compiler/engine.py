@@ -332,8 +332,7 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
         if why:
             return _row(gid, pattern, match, "rejected", why), None, []
     device = next((v.device for v in match.tensor_inputs()), torch.device("cpu"))
-    ctx = cost.CostContext(cost.profile_for(device, config.device_profile), config.baseline, training,
-                           config.prefer_memory, config.replays_graphs)
+    ctx = cost.CostContext.of(device, config, training)
     estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []

@@ -193,8 +193,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     for node, a, w in legal:
         x_val, w_val = val(a), val(w)
         plan = plans.get(_key(a))
-        ctx = cost.CostContext(cost.profile_for(x_val.device, config.device_profile), config.baseline,
-                               node in needs_grad, config.prefer_memory, config.replays_graphs)
+        ctx = cost.CostContext.of(x_val.device, config, node in needs_grad)
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
                                             recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
                                             readers=plan[2] if plan else 1)

@@ -388,8 +388,7 @@ def _decide(gm, chain: Chain, desc, config, gid, needs_grad) -> tuple[Decision, 
     save = training and ep.backward_reads_product(side_needs)
     out_dtype = val(chain.last).dtype
     a = val(chain.a)
-    ctx = cost.CostContext(cost.profile_for(a.device, config.device_profile), config.baseline, training,
-                           config.prefer_memory, config.replays_graphs)
+    ctx = cost.CostContext.of(a.device, config, training)
     calls = 2 if training else 1  # fusion::gemm_epilogue, and its backward
     estimate = cost.with_host_time(cost.estimate_gemm_epilogue(a, val(chain.b), [val(s) for s in chain.sides],
                                                                chain.shape, val(chain.last), len(ep.steps), save, ctx),

@@ -614,8 +614,7 @@ def _decide(gm, ex: Experts, config, gid, needs_grad) -> tuple[Decision, int]:
         return _row(gid, ex, "rejected", why), 0
     x = val(ex.x)
     training = ex.out in needs_grad
-    ctx = cost.CostContext(cost.profile_for(x.device, config.device_profile), config.baseline, training,
-                           config.prefer_memory, config.replays_graphs)
+    ctx = cost.CostContext.of(x.device, config, training)
     options = {}
     if can_launch(x.device) is None and not ex.scale_input:  # the Triton kernels weight the output
         options["triton"] = cost.estimate_moe(_shape(ex), "triton", ctx)
