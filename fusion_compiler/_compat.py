@@ -14,6 +14,7 @@ if _version < MIN_TORCH:
 
 from torch._decomp import get_decompositions  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+from torch._dynamo.source import ConstantSource as _ConstantSource  # noqa: E402
 from torch._guards import detect_fake_mode, tracing  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: E402
@@ -123,17 +124,20 @@ def carry_dynamo_input_marks(src, dst) -> bool:
     static inputs) from the graph Dynamo handed the backend to the ATen graph it hands on. AOTAutograd
     reads them (frontend_utils: dynamo_compile_id, _param_name_to_source, node._dynamo_source,
     meta["tensor_dict"]["_dynamo_static_input_type"]) to tell CUDA graphs which inputs keep their
-    address; without them every parameter is copied into the graph's buffers at each replay. False
-    (nothing copied) where the inputs do not correspond one to one."""
+    address; without them every parameter is copied into the graph's buffers at each replay.
+    The ATen trace holds tensor constants (`torch.tensor([...])` in the model) as buffers, which
+    AOTAutograd lifts as inputs and looks up by name: each gets a constant source, as Dynamo gives
+    its own constants. False (nothing copied) where the inputs do not correspond one to one."""
     if "dynamo_compile_id" not in src.meta:
         return False
     ours = list(src.graph.find_nodes(op="placeholder"))
     theirs = list(dst.graph.find_nodes(op="placeholder"))
     if len(ours) != len(theirs) or not all(hasattr(n, "_dynamo_source") for n in ours) or \
-            any(True for _ in dst.named_parameters()) or any(True for _ in dst.named_buffers()):
+            any(True for _ in dst.named_parameters()):
         return False
     dst.meta["dynamo_compile_id"] = src.meta["dynamo_compile_id"]
-    dst._param_name_to_source = getattr(src, "_param_name_to_source", {})
+    dst._param_name_to_source = {name: _ConstantSource(f"{__name__}.{type(dst).__name__}.{name}")
+                                 for name, _ in dst.named_buffers(remove_duplicate=False)}
     for a, b in zip(ours, theirs):
         b._dynamo_source = a._dynamo_source
         if "tensor_dict" in a.meta:

@@ -291,7 +291,8 @@ def test_small_saving_outside_cuda_graphs_stays_on_inductor():
 def test_parameters_reach_inductor_as_static_inputs():
     """Dynamo's marks of the parameters (static addresses) reach AOTAutograd through the rewritten
     ATen graph. Under CUDA graphs an unmarked input is copied into the graph's buffers at every
-    replay: the reference Llama step copied its 41 weights each step, 0.79 ms (stop 21)."""
+    replay: the reference Llama step copied its 41 weights each step, 0.79 ms (stop 21), and still did
+    in stop 22 while the ATen trace held tensor constants (HF's `torch.tensor` calls) as buffers."""
     import logging
     seen = []
 
@@ -304,7 +305,11 @@ def test_parameters_reach_inductor_as_static_inputs():
     torch._logging.set_logs(cudagraph_static_inputs=True)
     logger.addHandler(handler)
     try:
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        class Scale(torch.nn.Module):  # a tensor built in forward: a constant (a buffer) of the ATen trace
+            def forward(self, x):
+                return x * torch.tensor([0.5, 2.0]).repeat(16)
+
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), Scale(), torch.nn.ReLU(), torch.nn.Linear(32, 8))
         be = fc.backend()
         torch.compile(m, backend=be)(torch.randn(4, 16, requires_grad=True)).sum().backward()
     finally:
@@ -312,4 +317,5 @@ def test_parameters_reach_inductor_as_static_inputs():
         torch._logging.set_logs()
     assert be.rewritten, "the ATen graph was not handed off"
     static = sorted(m.split("source ")[1] for m in seen if m.startswith("Adding static input"))
-    assert static == sorted(f"L['fn']._modules['{i}']._parameters['{p}']" for i in (0, 2) for p in ("weight", "bias"))
+    assert any(True for _ in be.rewritten[0].named_buffers()), "the trace holds no constant: the case is not covered"
+    assert static == sorted(f"L['fn']._modules['{i}']._parameters['{p}']" for i in (0, 3) for p in ("weight", "bias"))
