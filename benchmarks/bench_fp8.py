@@ -10,7 +10,10 @@ quantize: the quantization kernel alone against Inductor's, the kernels of one F
 RMSNorm followed by the cast (two kernels, one, Inductor's); GB/s count 2 bytes read and 1 written an
 element (the norm: 2 read, 2 + 1 written).
 train: a small Llama (8 layers, hidden 1024, ffn 4096, vocab 2048, 8 x 512 tokens) trained `--steps`
-steps with AdamW (lr 1e-3) from one seed on a fixed random bigram language (8 successors per token), bf16 under Inductor against every
+steps with AdamW (peak lr 1e-3; --schedule cosine: linear warm-up over the first 10% of the steps, then
+cosine decay to 10% of the peak, as LLM pre-training runs; constant: lr 1e-3 throughout, the protocol of
+the runs before stop 22) from one seed on a fixed random bigram language (8 successors per token),
+bf16 under Inductor against every
 linear in FP8 (rowwise, forced; --train-modes: others, and bf16 in eager, whose distance from the
 Inductor curve is what rounding alone does), the losses saved for the plot (plot_fp8.py).
 """
@@ -158,7 +161,17 @@ def bigram_batches(steps: int, batch=8, seq=512, vocab=2048, fan_out=8, seed=0):
         yield ids
 
 
-def train(mode: str, steps: int) -> list:
+def lr_factor(step: int, steps: int, schedule: str) -> float:
+    """The learning rate of `step` (0-based) as a fraction of the peak."""
+    warm = max(1, steps // 10)
+    if schedule == "constant":
+        return 1.0
+    if step < warm:
+        return (step + 1) / warm
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm - 1)))
+
+
+def train(mode: str, steps: int, schedule: str = "cosine") -> list:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
@@ -166,6 +179,7 @@ def train(mode: str, steps: int) -> list:
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, steps, schedule))
     if mode == "bf16_eager":  # the same math with eager's kernels: how far rounding alone moves the curve
         fwd, be = model, None
     else:
@@ -177,6 +191,7 @@ def train(mode: str, steps: int) -> list:
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     if isinstance(be, fc.FusionBackend):
@@ -188,6 +203,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["linear", "train"])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
                     help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
     args = ap.parse_args()
@@ -208,7 +224,8 @@ def main():
     if "train" in args.parts:
         payload["train"] = {}
         for mode in args.train_modes:  # saved after each mode (a run cut short keeps what it has)
-            payload["train"][mode] = train(mode, args.steps)
+            payload["train"][mode] = train(mode, args.steps, args.schedule)
+            payload["schedule"] = args.schedule
             save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
         base = tail(payload["train"]["bf16"])
