@@ -26,10 +26,11 @@ import re
 
 import torch
 import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
-from .launch import alloc, cdiv, interpreting, load_kernel, sm_count
+from .launch import alloc, cdiv, fast_launch, interpreting, load_kernel, next_pow2, sm_count
 from .pointwise import DERIVATIVES, ROUND_BF16, TRITON
 
 REDUCTIONS = ("sum", "mean", "amax", "logsumexp")
@@ -521,17 +522,53 @@ def forward(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save
     return y, z
 
 
+_FINISH = {"sum": 0, "mean": 1, "amax": 2, "logsumexp": 3}
+
+
+@fast_launch
+@triton.jit
+def _finish_kernel(P0, P1, Y, rows, tiles, n, REDUCE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Y[r] = the reduction of row r's per-tile partials P0 (and P1 for logsumexp), [rows, tiles]."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = r < rows
+    if REDUCE == 2 or REDUCE == 3:
+        acc = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_R,), tl.float32)
+    for t0 in range(0, tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mask = mask_r[:, None] & (t[None, :] < tiles)
+        if REDUCE == 2 or REDUCE == 3:
+            acc = tl.maximum(acc, tl.max(tl.load(P0 + r[:, None] * tiles + t[None, :], mask=mask,
+                                                 other=float("-inf")), 1))
+        else:
+            acc += tl.sum(tl.load(P0 + r[:, None] * tiles + t[None, :], mask=mask, other=0.0), 1)
+    if REDUCE == 1:
+        acc = acc / n
+    if REDUCE == 3:  # sum over tiles of p1 * exp(p0 - max), around a finite max
+        safe = tl.where(tl.abs(acc) == float("inf"), 0.0, acc)
+        total = tl.zeros((BLOCK_R,), tl.float32)
+        for t0 in range(0, tiles, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            mask = mask_r[:, None] & (t[None, :] < tiles)
+            p0 = tl.load(P0 + r[:, None] * tiles + t[None, :], mask=mask, other=float("-inf"))
+            p1 = tl.load(P1 + r[:, None] * tiles + t[None, :], mask=mask, other=0.0)
+            total += tl.sum(tl.where(mask, p1 * tl.exp(p0 - safe[:, None]), 0.0), 1)
+        acc = safe + tl.log(total)
+    tl.store(Y + r, acc, mask=mask_r)
+
+
 def _finish(ep: Epilogue, p0: torch.Tensor, p1: torch.Tensor, n: int) -> torch.Tensor:
-    """The second stage of a reduction: combine the per-tile partials over N ([batch, M, tiles])."""
-    if ep.reduce == "sum":
-        return p0.sum(-1)
-    if ep.reduce == "mean":
-        return p0.sum(-1) / n
-    if ep.reduce == "amax":
-        return p0.amax(-1)
-    top = p0.amax(-1, keepdim=True)
-    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    return (safe + torch.log((p1 * torch.exp(p0 - safe)).sum(-1, keepdim=True))).squeeze(-1)
+    """The second stage of a reduction: combine the per-tile partials over N ([batch, M, tiles]) in
+    one launch (fp32 [batch, M])."""
+    batch, m, tiles = p0.shape
+    y = alloc((batch, m), torch.float32, p0.device)
+    block_t = min(next_pow2(tiles), 64)
+    block_r = max(1, 4096 // block_t)
+    if y.numel():
+        _finish_kernel[(cdiv(batch * m, block_r),)](p0, p1, y, batch * m, tiles, n, REDUCE=_FINISH[ep.reduce],
+                                                    BLOCK_R=block_r, BLOCK_T=block_t)
+    return y
 
 
 def broadcast_dims(side_shape, shape, lay_shape) -> tuple[bool, bool, bool]:

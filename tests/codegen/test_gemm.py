@@ -148,6 +148,17 @@ def test_logsumexp_of_minus_infinity_rows():
     assert torch.allclose(y[[0, 1, 3, 4]], ref[[0, 1, 3, 4]], atol=1e-5)
 
 
+@pytest.mark.parametrize("reduce", ["sum", "mean", "logsumexp", "amax"])
+def test_reduction_over_more_tiles_than_the_second_stage_reads_at_once(reduce):
+    """N = 2270 is 71 column tiles of 32: the second stage walks the partials in chunks of 64, and
+    the rows' scales differ by 30x (logsumexp's max is taken over every chunk before it sums)."""
+    x, w = torch.randn(37, 16) * torch.linspace(0.2, 6.0, 37)[:, None], torch.randn(2270, 16) / 4.0
+    ep = gemm.Epilogue(0, (), reduce)
+    y, _ = gemm.forward(ep, x, w.t(), [], (37, 2270), torch.float32, False)
+    ref = _eager(ep, (x @ w.t()).double(), [], (37, 2270))
+    assert_close(y, ref, torch.float32, reduce)
+
+
 def test_batched_product_with_batch_broadcast_side():
     """bmm [B, M, K] @ [B, K, N] with a side shared by the batch ([M, N]) and a per-batch row scale."""
     a, b = torch.randn(3, 17, 20), torch.randn(3, 20, 35)
