@@ -240,6 +240,46 @@ def test_tuned_config_is_read_from_the_json_cache(tmp_path, monkeypatch):
     tuning.clear()
 
 
+def test_tuning_retimes_each_epilogue_at_the_sweeps_fastest_configs(tmp_path, monkeypatch):
+    """The tile sweep runs once per shape (with the first epilogue); a second epilogue on that shape
+    is timed at the sweep's RETIME fastest configs and keeps its own best, which need not be the
+    sweep's. Times come from a table (the timer is CUDA's; the kernels still run, on the interpreter)."""
+    monkeypatch.setenv("FUSION_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    tuning.clear()
+    tiles = [(16, 16, 16, 2, 1, 2), (32, 16, 16, 2, 1, 2), (16, 32, 16, 2, 1, 2), (32, 32, 16, 2, 1, 2)]
+    monkeypatch.setattr(gemm, "configs", lambda element_size: tiles)
+    relu, gelu = gemm.Epilogue(0, (("relu", (Z,)),)), gemm.Epilogue(0, (("gelu", (Z,)),))
+    # relu: the tiles in order; gelu: the third tile best, the fourth (outside
+    # the sweep's three fastest) better still but never timed
+    table = {relu: [1.0, 2.0, 3.0, 4.0], gelu: [5.0, 4.5, 3.5, 0.5]}
+    calls = []
+    real_forward = gemm.forward
+
+    def forward(ep, *args):
+        calls.append((ep, args[-1]))
+        return real_forward(ep, *args)
+
+    def bench(fn):
+        fn()
+        ep, config = calls[-1]
+        if config is None:  # cuBLAS's product
+            return 1.0
+        return table[ep][tiles.index(tuple(config[:6]))]
+    monkeypatch.setattr(gemm, "forward", forward)
+    monkeypatch.setattr(gemm, "_bench", bench)
+    monkeypatch.setattr(torch, "matmul", lambda a, b: calls.append((None, None)))
+    x, w = torch.randn(20, 24), torch.randn(24, 18)
+    first = gemm.tune(relu, x, w, [], (20, 18), torch.float32, False)
+    assert tuple(first["config"][:6]) == tiles[0]
+    timed_before = len(calls)
+    second = gemm.tune(gelu, x, w, [], (20, 18), torch.float32, False)
+    timed = [tuple(c[:6]) for ep, c in calls[timed_before:]]
+    assert len(timed) == gemm.RETIME and tiles[3] not in timed  # no second sweep
+    assert tuple(second["config"][:6]) == tiles[2] and second["ms"] == 3.5
+    assert gemm.tune(gelu, x, w, [], (20, 18), torch.float32, False) == second  # stored
+    tuning.clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loads", ["pointer", "tma", "tma_bt"])
 def test_main_loop_by_pointers_or_tma(loads, dtype):
