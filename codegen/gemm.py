@@ -697,11 +697,17 @@ def tune(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save_pr
         sweep = {"config": list(timed[0][1]), "ms": timed[0][0], "ranked": [list(c) for _, c in timed[:RETIME]],
                  "cublas_ms": _bench(lambda: torch.matmul(a, b))}
         tuning.record(sweep_key, sweep)
-    best = None
+    best, failure = None, None
     for config in map(tuple, sweep.get("ranked") or [sweep["config"]]):
-        ms = _bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config))
+        try:
+            ms = _bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config))
+        except Exception as e:  # noqa: BLE001  (this epilogue may not compile at every tile)
+            failure = e
+            continue
         if best is None or ms < best[0]:
             best = (ms, config)
+    if best is None:
+        raise failure
     found = {"config": list(best[1]), "cublas_ms": sweep["cublas_ms"], "ms": best[0]}
     tuning.record(key, found)
     return found
