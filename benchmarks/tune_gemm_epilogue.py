@@ -37,7 +37,7 @@ def main(m=16384, k=1024, n=1024):
         lay = gemm.layout(x, w.t(), [bias], (m, n))
         timed = []
         for c in gemm.configs(2):
-            for loads in ("pointer", gemm.tma_loads(lay)):
+            for loads in gemm.load_modes(lay):
                 config = (*c, loads)
                 try:
                     ms = bench_gpu_ms(lambda: gemm.forward(ep, x, w.t(), [bias], (m, n), torch.bfloat16, False, config))

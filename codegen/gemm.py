@@ -192,6 +192,8 @@ _MAIN_LOOP = {  # how the K loop reads A and B: pointers (any strides, batched) 
 }
 _MAIN_LOOP["tma_bt"] = [line.replace("B.load([k * BLOCK_K, pid_n * BLOCK_N])", "B.load([pid_n * BLOCK_N, k * BLOCK_K]).T")
                         for line in _MAIN_LOOP["tma"]]
+# a TMA mode with this suffix launches one program per SM, each looping over tiles (`forward_source`)
+PERSISTENT = "_persistent"
 
 
 def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kinds: tuple,
@@ -205,10 +207,11 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
         f"    {strides}",
         "    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,",
         "    STORE_Z: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):",
-        "    pid = tl.program_id(0)",
         "    batch = tl.program_id(1)",
         "    grid_m = tl.cdiv(M, BLOCK_M)",
         "    grid_n = tl.cdiv(N, BLOCK_N)",
+    ]
+    body = [
         "    # grouped order: GROUP_M row tiles share each column tile of B while it is in L2",
         "    width = GROUP_M * grid_n",
         "    first_m = (pid // width) * GROUP_M",
@@ -217,7 +220,7 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
         "    pid_n = (pid % width) // group_m",
         "    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
-    ] + _MAIN_LOOP[loads] + [
+    ] + _MAIN_LOOP[loads.removesuffix(PERSISTENT)] + [
         "    mask_m = rm < M",
         "    mask_n = rn < N",
         "    mask = mask_m[:, None] & mask_n[None, :]",
@@ -227,23 +230,29 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
         "    if STORE_Z:  # the product, for the backward (contiguous [batch, M, N])",
         f"        tl.store(Z + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('z', z_dtype)}, mask=mask)",
     ]
-    lines += _side_loads(kinds, "    ")
-    lines += _steps(ep, "    ")
+    body += _side_loads(kinds, "    ")
+    body += _steps(ep, "    ")
     y = ep.result()
     partial = "(batch * M + rm) * grid_n + pid_n"
     if not ep.reduce:
-        lines.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
+        body.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
                      "mask=mask)")
     elif ep.reduce in ("sum", "mean"):
-        lines.append(f"    tl.store(P0 + {partial}, tl.sum(tl.where(mask, {y}, 0.0), 1), mask=mask_m)")
+        body.append(f"    tl.store(P0 + {partial}, tl.sum(tl.where(mask, {y}, 0.0), 1), mask=mask_m)")
     elif ep.reduce == "amax":
-        lines.append(f"    tl.store(P0 + {partial}, tl.max(tl.where(mask, {y}, float('-inf')), 1), mask=mask_m)")
+        body.append(f"    tl.store(P0 + {partial}, tl.max(tl.where(mask, {y}, float('-inf')), 1), mask=mask_m)")
     else:  # logsumexp: the tile's max and its sum of exp(y - max), combined over tiles by `_finish`
-        lines += [f"    y = tl.where(mask, {y}, float('-inf'))",
+        body += [f"    y = tl.where(mask, {y}, float('-inf'))",
                   "    top = tl.max(y, 1)",
                   "    safe = tl.where(top == float('-inf'), 0.0, top)",
                   f"    tl.store(P0 + {partial}, top, mask=mask_m)",
                   f"    tl.store(P1 + {partial}, tl.sum(tl.exp(y - safe[:, None]), 1), mask=mask_m)"]
+    if loads.endswith(PERSISTENT):  # one program per SM loops over the tiles; the K loops of
+        # consecutive tiles flattened into one pipeline (the next tile's loads overlap this epilogue)
+        lines.append("    for pid in tl.range(tl.program_id(0), grid_m * grid_n, tl.num_programs(0), flatten=True):")
+        lines += ["    " + line for line in body]
+    else:
+        lines += ["    pid = tl.program_id(0)"] + body
     return "\n".join(lines) + "\n"
 
 
@@ -451,6 +460,12 @@ def tma_loads(lay: Layout) -> str | None:
     return "tma" if rows_ok(b2) else "tma_bt" if rows_ok(b2.t()) else None
 
 
+def load_modes(lay: Layout) -> tuple:
+    """The ways the K loop may read this product's operands (what the tile sweep times)."""
+    tma = tma_loads(lay)
+    return ("pointer", tma, tma + PERSISTENT) if tma else ("pointer",)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     config: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, loads)
@@ -473,12 +488,14 @@ def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _
             tuning.lookup(tuning_key(None, lay, save_product)) or default_config(lay, lay.a.element_size())
         loads = config[6] if len(config) > 6 else "tma" if tma else "pointer"
         if loads != "pointer":  # a tuned TMA config on operands that do not allow it reads by pointers
-            loads = tma or "pointer"
+            loads = (tma + loads[len(loads.removesuffix(PERSISTENT)):]) if tma else "pointer"
         config = (*config[:6], loads)
         kinds = side_kinds(lay.sides)
         kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads),
                          lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads), "gemm_epilogue_kernel")
         grid = (cdiv(lay.m, config[0]) * cdiv(lay.n, config[1]), lay.batch)
+        if loads.endswith(PERSISTENT):
+            grid = (min(grid[0], sm_count(lay.a.device)), 1)
         plan = _PLANS[key] = _Plan(config, kernel, grid)
     return plan
 
@@ -488,7 +505,7 @@ def _operands(lay: Layout, loads: str, bm: int, bn: int, bk: int) -> tuple:
     if loads == "pointer":
         return lay.a, lay.b
     a2, b2 = lay.a[0], lay.b[0]
-    if loads == "tma_bt":
+    if loads.startswith("tma_bt"):
         return TensorDescriptor.from_tensor(a2, [bm, bk]), TensorDescriptor.from_tensor(b2.t(), [bn, bk])
     return TensorDescriptor.from_tensor(a2, [bm, bk]), TensorDescriptor.from_tensor(b2, [bk, bn])
 
@@ -684,8 +701,7 @@ def tune(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save_pr
     sweep = tuning.entry(sweep_key)
     if sweep is None:
         timed = []
-        tma = tma_loads(lay)
-        for config in [(*c, loads) for c in configs(a.element_size()) for loads in ("pointer", tma) if loads]:
+        for config in [(*c, loads) for c in configs(a.element_size()) for loads in load_modes(lay)]:
             try:
                 timed.append((_bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config)),
                               config))

@@ -284,20 +284,38 @@ def test_tuning_retimes_each_epilogue_at_the_sweeps_fastest_configs(tmp_path, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loads", ["pointer", "tma", "tma_bt"])
+@pytest.mark.parametrize("loads", ["pointer", "tma", "tma_bt", "tma_persistent", "tma_bt_persistent"])
 def test_main_loop_by_pointers_or_tma(loads, dtype):
     """The K loop reads A and B by pointers or by TMA descriptors (B as stored or transposed, as
-    F.linear's weight); rows of 16-byte multiples, sizes off the 32-tile (zero-filled edges)."""
+    F.linear's weight); rows of 16-byte multiples, sizes off the 32-tile (zero-filled edges). The
+    persistent modes run one program here (one SM under the interpreter) over all four tiles."""
     x = torch.randn(45, 40, dtype=dtype)
     w = (torch.randn(56, 40) / 40 ** 0.5).to(dtype)  # rows of 16-byte multiples, off the 32-tile
-    b = w.t() if loads != "tma" else w.t().contiguous()  # [K, N]: a strided view of [N, K], or stored
+    mode = loads.removesuffix(gemm.PERSISTENT)
+    b = w.t() if mode != "tma" else w.t().contiguous()  # [K, N]: a strided view of [N, K], or stored
     lay = gemm.layout(x, b, [], (45, 56))
-    assert gemm.tma_loads(lay) == ("tma_bt" if loads == "tma_bt" else "tma") or loads == "pointer"
+    assert gemm.tma_loads(lay) == ("tma_bt" if mode == "tma_bt" else "tma") or loads == "pointer"
+    assert loads in gemm.load_modes(lay)
     ep = gemm.Epilogue(0, (("gelu", (Z,)),))
     y, z = gemm.forward(ep, x, b, [], (45, 56), dtype, True, config=(32, 32, 32, 4, 1, 4, loads))
     ref = x.double() @ b.double()
     assert_close(z, ref, dtype, "product")
     assert_close(y, F.gelu(ref), dtype, "gelu")
+
+
+@pytest.mark.parametrize("reduce", ["", "logsumexp"])
+def test_persistent_tiles_read_their_own_sides_and_partials(reduce):
+    """One program walks every tile in turn: the bias row, the residual tile and the reduction's
+    per-tile partials must follow the tile, not the program."""
+    x, w = torch.randn(70, 48), torch.randn(72, 48) / 48 ** 0.5
+    bias, res = torch.randn(72), torch.randn(70, 72)
+    ep = gemm.Epilogue(2, (("add", (Z, s(0))), ("tanh", (V0,)), ("add", (V1, s(1)))), reduce)
+    y, _ = gemm.forward(ep, x, w.t(), [bias, res], (70, 72), torch.float32, False,
+                        config=(32, 32, 16, 2, 1, 4, "tma_bt_persistent"))
+    ref = torch.tanh(x.double() @ w.t().double() + bias.double()) + res.double()
+    if reduce:
+        ref = torch.logsumexp(ref, -1)
+    assert_close(y, ref, torch.float32, reduce or "tiles")
 
 
 def test_unaligned_rows_fall_back_to_pointers():
