@@ -45,9 +45,6 @@ class DeviceProfile:
     # GEMM + epilogue backward's time over Inductor's (the derivative pass, the side partials)
     gemm: tuple = (0.75, 0.9)
     gemm_backward: float = 1.0
-    # Inductor's product + epilogue over cuBLAS's timed product + one pass at full bandwidth (it
-    # fuses a bias and relu/gelu into cuBLASLt's epilogue, and its pass can beat the copy figure)
-    gemm_handoff: float = 1.0
     sms: int = 132  # streaming multiprocessors (H100 SXM, H200): the GEMM tile waves
     # horizontal GEMM fusion timed on the Llama reference layer: (fwd, fwd+bwd) time with q/k/v and
     # gate/up concatenated over the separate GEMMs'; () when not timed on this card
@@ -113,10 +110,9 @@ _CLIP_NORM_H200 = (1.04, 0.62)
 # GEMM + epilogue, bf16 (benchmarks/runs/2026-12-03-h200-gemm-{2,3}.json): Linear(8192, 8192) on 1024
 # rows, 137 GFLOP: our kernel (TMA loads, untuned) with its epilogue 0.218 ms (80% of 790 TFLOP/s;
 # forced, run 3), cuBLAS ~0.178 ms (98%); fwd+bwd of the fused regions ~1.13x Inductor's (16384 x 1024 -> 1024, run 2),
-# the backward alone ~1.2x; Inductor's forward 0.90 (bf16) / 0.91 (fp32) of the timed estimate (run 3)
+# the backward alone ~1.2x
 _GEMM_H200 = (0.80, 0.98)
 _GEMM_BACKWARD_H200 = 1.2
-_GEMM_HANDOFF_H200 = 0.88
 # routed experts, bf16 fwd+bwd (benchmarks/runs/2026-12-03-h200-moe-3.json): the HF Mixtral block at
 # 8 experts / top-2 / 2048 / 4096 / 8192 tokens and 128 / top-8 / 2048 / 768 / 16384: our Triton grouped
 # GEMMs 383 and 360 TFLOP/s, torch's grouped_mm (CUTLASS) 700 and 608 of 790; Inductor's passes around
@@ -147,13 +143,13 @@ PROFILES = {
     # only the H200 was measured)
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, {}, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200,
-                          gemm_backward=_GEMM_BACKWARD_H200, gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200,
+                          gemm_backward=_GEMM_BACKWARD_H200, moe=_MOE_H200,
                           horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD,
                           op_host_s=_OP_HOST),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
                           clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
-                          gemm_handoff=_GEMM_HANDOFF_H200, moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
+                          moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
                           fp8_overhead_s=_FP8_OVERHEAD, op_host_s=_OP_HOST),
 }
 REFERENCE = "h200"
@@ -558,14 +554,13 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
                     f"({quant_bytes / 2**20:.1f} MiB) vs {element_size * 8}-bit {high * 1e6:.1f} us ({p.name} profile)")
 
 
-def timed_gemm_epilogue(ours_s: float, baseline_s: float, ours_bytes: int, baseline_bytes: int,
+def timed_gemm_epilogue(ours_s: float, baseline_s: float, baseline: str, ours_bytes: int, baseline_bytes: int,
                         backward_s: float, ctx: CostContext) -> Estimate:
     """Forward times measured on this device: ours (the generated kernel at its best tuned config)
-    against the product on cuBLAS plus one pass reading it back (patterns/gemm.py `_timed`); in
-    training both add the estimated backward, ours scaled by the measured DeviceProfile.gemm_backward."""
+    against the hand-off's (`baseline` names what was timed: patterns/gemm.py `_timed`); in training
+    both add the estimated backward, ours scaled by the measured DeviceProfile.gemm_backward."""
     p = ctx.profile
-    note = (f"timed on {p.name}: ours {ours_s * 1e6:.1f} us, cuBLAS + epilogue pass {baseline_s * 1e6:.1f} us "
-            "(forward)")
+    note = f"timed on {p.name}: ours {ours_s * 1e6:.1f} us, {baseline} {baseline_s * 1e6:.1f} us (forward)"
     if ctx.training:
         ours_s, baseline_s = ours_s + backward_s * p.gemm_backward, baseline_s + backward_s
         note += f"; backward est. {backward_s * 1e6:.1f} us, ours x{p.gemm_backward:.2f}"

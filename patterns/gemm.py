@@ -29,9 +29,9 @@ import types
 import torch
 import torch.fx as fx
 
-from fusion_compiler import cost
+from fusion_compiler import _compat, cost
 from fusion_compiler.canonical import is_float_cast, val
-from fusion_compiler.codegen import gemm as kernels
+from fusion_compiler.codegen import gemm as kernels, tuning
 from fusion_compiler.codegen.launch import can_launch
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.engine import random_like
@@ -310,9 +310,38 @@ def _verify(ep: kernels.Epilogue, chain: Chain, out_dtype, save: bool, training:
     return _VERIFIED[key]
 
 
+def region(chain: Chain) -> tuple[fx.GraphModule, list]:
+    """The region alone, as the hand-off would compile it: the product and the chain's nodes, each
+    outside operand a placeholder; with random inputs of the operands' signatures (strides too)."""
+    graph, env, inputs = fx.Graph(), {}, []
+    for node in chain.nodes:
+        for arg in node.all_input_nodes:
+            if arg not in env:
+                env[arg] = graph.placeholder(f"in{len(inputs)}")
+                inputs.append(random_like(val(arg)))
+        env[node] = graph.node_copy(node, env.__getitem__)
+        env[node].meta = {}  # the outer trace's fake values: Inductor traces the region afresh
+    graph.output(env[chain.last])
+    return fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+def _inductor_ms(chain: Chain, key: str) -> float:
+    """Inductor's time for the region alone (its product and its epilogue kernel, forward), timed as
+    our kernel is, once per signature (kept with the tuning entries)."""
+    known = tuning.entry(key)
+    if known is None:
+        gm, inputs = region(chain)
+        with _compat.tracing(None), torch.no_grad():  # a compile of its own, outside Dynamo's
+            compiled = _compat.compile_fx(gm, inputs)
+            known = {"ms": kernels._bench(lambda: compiled(*inputs))}
+        tuning.record(key, known)
+    return known["ms"]
+
+
 def _timed(ep, chain: Chain, out_dtype, save: bool, ctx) -> cost.Estimate:
-    """Our generated kernel (tuned) against cuBLAS's product, both timed on random data of this
-    signature, plus the hand-off's epilogue pass, calibrated to Inductor's measured times."""
+    """Our generated kernel (tuned) against Inductor's compile of the same region, both timed on random
+    data of this signature; where Inductor fails on the region alone, cuBLAS's timed product plus one
+    pass at the copy bandwidth stands in for it."""
     a, b = val(chain.a), val(chain.b)
     sides = [val(s) for s in chain.sides]
     real = [random_like(t) for t in (a, b, *sides)]
@@ -322,11 +351,14 @@ def _timed(ep, chain: Chain, out_dtype, save: bool, ctx) -> cost.Estimate:
     product = a.element_size() * val(chain.root).numel()
     backward = cost.gemm_backward_s(2.0 * val(chain.root).numel() * a.shape[-1], operands, product, side_bytes,
                                     ctx.profile)
-    # the hand-off: the product, then a pass reading it and the sides and writing the output at the copy
-    # bandwidth, scaled by how much faster Inductor measured than that (DeviceProfile.gemm_handoff)
-    p = ctx.profile
-    handoff = (found["cublas_ms"] * 1e-3 + p.launch_s + (product + io - operands) / p.bandwidth) * p.gemm_handoff
-    return cost.timed_gemm_epilogue(found["ms"] * 1e-3, handoff,
+    lay = kernels.layout(real[0], real[1], real[2:], chain.shape)
+    try:
+        handoff, how = _inductor_ms(chain, "inductor|" + kernels.tuning_key(ep, lay, False)) * 1e-3, "Inductor"
+    except Exception as e:  # noqa: BLE001  (the region alone may not compile; the estimate stands in)
+        p = ctx.profile
+        handoff = found["cublas_ms"] * 1e-3 + p.launch_s + (product + io - operands) / p.bandwidth
+        how = f"cuBLAS + epilogue pass (Inductor failed on the region alone: {type(e).__name__})"
+    return cost.timed_gemm_epilogue(found["ms"] * 1e-3, handoff, how,
                                     io + (product if save else 0), io + 2 * product, backward, ctx)
 
 

@@ -258,8 +258,8 @@ def test_cost_model_keeps_large_gemms_on_cublas_and_fuses_memory_heavy_ones():
 
 def test_timed_estimate_never_keeps_a_slower_kernel():
     ctx = cost.CostContext(cost.PROFILES["h100"], "inductor", False)
-    slower = cost.timed_gemm_epilogue(60e-6, 59e-6, 1 << 20, 3 << 20, 0.0, ctx)
-    faster = cost.timed_gemm_epilogue(45e-6, 60e-6, 1 << 20, 3 << 20, 0.0, ctx)
+    slower = cost.timed_gemm_epilogue(60e-6, 59e-6, "Inductor", 1 << 20, 3 << 20, 0.0, ctx)
+    faster = cost.timed_gemm_epilogue(45e-6, 60e-6, "Inductor", 1 << 20, 3 << 20, 0.0, ctx)
     assert not slower.profitable and faster.profitable
     assert "timed" in faster.reason()
 
@@ -289,6 +289,49 @@ def test_verification_under_the_interpreter_runs_at_a_proxy_size():
     assert shape == [2, 2, 48] and list(a.shape) == [4, 40] and list(b.shape) == [40, 48]
     assert b.stride(0) == 1  # w.t(), as F.linear's weight
     assert list(row.shape) == [2, 2, 1] and list(bias.shape) == [48]
+
+
+def test_inductor_times_the_region_alone_in_the_middle_of_the_outer_compile(tmp_path, monkeypatch):
+    """The hand-off's side of a timed decision: the region (the product and its chain, operands as
+    placeholders with their strides: w.t() stays a transposed view) compiled by Inductor on its own,
+    while the outer compile is under way, computes what eager does; the time is kept with the tuning
+    entries, so a second decision on the signature compiles nothing."""
+    from fusion_compiler.codegen import tuning
+    from fusion_compiler.patterns import gemm as family
+    monkeypatch.setenv("FUSION_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    tuning.clear()
+    fn = CHAINS["gelu_tanh_residual"]
+    inputs = _inputs(seq=11, k=20, n=30)
+    seen = {}
+
+    def bench(call):
+        seen["out"] = call()
+        return 0.25
+    monkeypatch.setattr(kernels, "_bench", bench)
+
+    real_region = family.region
+
+    def region(chain):
+        gm, region_inputs = real_region(chain)
+        seen["region_inputs"], seen["eager"] = region_inputs, gm(*region_inputs)
+        return gm, region_inputs
+    monkeypatch.setattr(family, "region", region)
+
+    def spy(gm, config, log, gid, needs_grad):
+        root = next(n for n in gm.graph.nodes if n.target in family.ROOTS)
+        seen["ms"] = family._inductor_ms(family.find_chain(root, lambda n: False), "inductor|test")
+        return 0
+    with unittest.mock.patch.object(family, "rewrite", spy):
+        torch.compile(fn, backend=fc.FusionBackend(fc.FusionConfig(cost_model="always")))(*inputs)
+    assert seen["ms"] == 0.25
+    bias, a, b, r = seen["region_inputs"]  # addmm's operands in order, then the residual
+    assert b.stride(0) == 1  # w.t(), as F.linear reads it
+    want = F.gelu(torch.addmm(bias, a, b), approximate="tanh").view(r.shape) + r
+    torch.testing.assert_close(seen["eager"], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["out"], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(family._compat, "compile_fx", None)  # a second decision: from the cache
+    assert family._inductor_ms(None, "inductor|test") == 0.25
+    tuning.clear()
 
 
 def test_every_matched_op_has_a_generated_form_and_derivative():
