@@ -197,7 +197,8 @@ PERSISTENT = "_persistent"
 
 
 def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kinds: tuple,
-                   loads: str = "pointer") -> str:
+                   loads: str = "pointer", tma_store: bool = False) -> str:
+    """tma_store: Y is a TMA descriptor of the [M, N] output (clipped at the edges), not a pointer."""
     ptrs, strides = _side_args(ep)
     lines = _header() + [
         "def gemm_epilogue_kernel(",
@@ -234,7 +235,9 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
     body += _steps(ep, "    ")
     y = ep.result()
     partial = "(batch * M + rm) * grid_n + pid_n"
-    if not ep.reduce:
+    if not ep.reduce and tma_store:
+        body.append(f"    Y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], {_cast(y, y_dtype)})")
+    elif not ep.reduce:
         body.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
                      "mask=mask)")
     elif ep.reduce in ("sum", "mean"):
@@ -471,6 +474,7 @@ class _Plan:
     config: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, loads)
     kernel: object
     grid: tuple
+    tma_store: bool  # Y passed as a TMA descriptor
 
 
 _PLANS: dict = {}
@@ -491,12 +495,15 @@ def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _
             loads = (tma + loads[len(loads.removesuffix(PERSISTENT)):]) if tma else "pointer"
         config = (*config[:6], loads)
         kinds = side_kinds(lay.sides)
-        kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads),
-                         lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads), "gemm_epilogue_kernel")
+        # persistent: the output tile leaves by TMA too (asynchronously; rows of 16-byte multiples)
+        tma_store = loads.endswith(PERSISTENT) and not ep.reduce and (lay.n * out_dtype.itemsize) % 16 == 0
+        kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads, tma_store),
+                         lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads, tma_store),
+                         "gemm_epilogue_kernel")
         grid = (cdiv(lay.m, config[0]) * cdiv(lay.n, config[1]), lay.batch)
         if loads.endswith(PERSISTENT):
             grid = (min(grid[0], sm_count(lay.a.device)), 1)
-        plan = _PLANS[key] = _Plan(config, kernel, grid)
+        plan = _PLANS[key] = _Plan(config, kernel, grid, tma_store)
     return plan
 
 
@@ -530,7 +537,8 @@ def forward(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save
         side_strides = [s for v in lay.sides for s in v.stride()]
         y_strides = y3.stride() if not ep.reduce else (0, 0, 0)
         a_in, b_in = _operands(lay, loads, bm, bn, bk)
-        plan.kernel[plan.grid](a_in, b_in, y3, z3, p0, p1, *lay.sides, lay.m, lay.n, lay.k,
+        y_in = TensorDescriptor.from_tensor(y3[0], [bm, bn]) if plan.tma_store else y3
+        plan.kernel[plan.grid](a_in, b_in, y_in, z3, p0, p1, *lay.sides, lay.m, lay.n, lay.k,
                                *lay.a.stride(), *lay.b.stride(), *y_strides, *side_strides,
                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, STORE_Z=save_product,
                                UPCAST=interpreting(), PRECISION=_precision(a.dtype), EVEN_K=lay.k % bk == 0,

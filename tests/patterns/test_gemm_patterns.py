@@ -334,6 +334,41 @@ def test_inductor_times_the_region_alone_in_the_middle_of_the_outer_compile(tmp_
     tuning.clear()
 
 
+def test_timed_decision_compares_with_inductors_region_or_says_it_estimated(tmp_path, monkeypatch):
+    """The timed decision weighs our tuned kernel against Inductor's timed region; where Inductor
+    fails on the region alone, the estimate (cuBLAS's timed product + one pass) stands in, named."""
+    from fusion_compiler.codegen import tuning
+    from fusion_compiler.patterns import gemm as family
+    monkeypatch.setenv("FUSION_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    tuning.clear()
+    monkeypatch.setattr(kernels, "tune", lambda *a, **k: {"config": [], "ms": 0.050, "cublas_ms": 0.049})
+    chains = []
+
+    def spy(gm, config, log, gid, needs_grad):
+        root = next(n for n in gm.graph.nodes if n.target in family.ROOTS)
+        chains.append(family.find_chain(root, lambda n: False))
+        return 0
+    with unittest.mock.patch.object(family, "rewrite", spy):
+        with torch.no_grad():
+            fc.explain(CHAINS["silu"], *_inputs(seq=11, k=20, n=30))
+    chain = chains[0]
+    ctx = cost.CostContext(cost.PROFILES["h200"], "inductor", False)
+    ep = chain.epilogue()
+    monkeypatch.setattr(kernels, "_bench", lambda call: 0.080)  # Inductor's region: slower than ours
+    timed = family._timed(ep, chain, torch.float32, False, ctx)
+    assert timed.profitable and "ours 50.0 us, Inductor 80.0 us" in timed.reason()
+
+    def broken(*a, **k):
+        raise RuntimeError("lowering failed")
+    tuning.clear()
+    (tmp_path / "tuning.json").unlink()
+    monkeypatch.setattr(family._compat, "compile_fx", broken)
+    fallback = family._timed(ep, chain, torch.float32, False, ctx)
+    assert "Inductor failed on the region alone: RuntimeError" in fallback.reason()
+    assert fallback.baseline_s > 49e-6  # cuBLAS's product and the pass
+    tuning.clear()
+
+
 def test_every_matched_op_has_a_generated_form_and_derivative():
     from fusion_compiler.codegen.pointwise import DERIVATIVES, TRITON
     from fusion_compiler.patterns import gemm as family
