@@ -6,7 +6,8 @@ An Epilogue is the chain as data: steps of (op, refs) over the product ("z",), s
 stride 0), constants ("c", x) and earlier steps ("v", k), plus an optional reduction over the last
 dim (sum, mean, amax, logsumexp). From it this module generates two Triton kernels:
 
-forward   blocked, pipelined tl.dot GEMM (grouped tile order for L2 reuse); then the steps on the
+forward   blocked, pipelined tl.dot GEMM (grouped tile order for L2 reuse; A and B read by pointers
+          or TMA, optionally persistent: one program per SM over the tiles); then the steps on the
           accumulator; store y (or, with a reduction, per-tile partials over N that a second, tiny
           stage combines); in training also store the product z when the backward needs it
 backward  per tile of the product: recompute the steps from z, take the upstream gradient (for a

@@ -53,8 +53,8 @@ class FusionConfig:
         update uses the clipped ones. Saves one write of every gradient; only for training loops that
         do not read p.grad after the step. Off by default (p.grad ends as eager leaves it).
     gemm_timing: on CUDA, time each GEMM + epilogue region's generated kernel (every tile config)
-        against cuBLAS on the bare product once per shape, and fuse only where the kernel is faster
-        than cuBLAS plus the epilogue pass Inductor would add; the timings are kept on disk
+        against Inductor's compile of the same region once per shape, and fuse only where the
+        kernel is faster; the timings are kept on disk
         (codegen/tuning.py), so a shape is timed once per machine. Off: the roofline alone decides.
     fp8: None (off), or the FP8 recipe linears may be rewritten with (patterns/fp8.py, per GEMM by
         the cost model): "tensorwise" (per-tensor scales, e4m3 forward, e5m2 gradients), "rowwise"

@@ -20,7 +20,8 @@ region up to the cut is fused and the row says where and why it was cut.
 Runs after the library's patterns (norms, losses, attention take their matmuls first). Legal: one
 device Triton runs on, fp32/bf16/fp16 operands of one dtype, 2-D or 3-D products, static shapes;
 profitable: cost.estimate_gemm_epilogue, and on CUDA with FusionConfig.gemm_timing a timing of the
-generated kernel against cuBLAS on the product once per shape (codegen/tuning.py keeps it).
+generated kernel against Inductor's compile of the region alone once per shape (codegen/tuning.py
+keeps both).
 """
 import dataclasses
 import operator
