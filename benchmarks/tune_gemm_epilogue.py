@@ -1,7 +1,7 @@
 """Tile configs of the generated GEMM + epilogue per epilogue (codegen/gemm.py): does an epilogue with
 transcendental math (erf, exp, tanh) or a reduction over N want another tile than relu's? Bias + each
 activation on the memory-heavy product (16384 x 1024 -> 1024, bf16, forward), every CONFIGS entry
-with pointer and TMA loads; GPU ms per call (profiler kernel sum, the reduction's second stage
+with each load mode (pointer, TMA, persistent TMA: gemm.load_modes); GPU ms per call (profiler kernel sum, the reduction's second stage
 included), cuBLAS's bare product for scale, and the kernels of the best logsumexp call.
 
     python benchmarks/tune_gemm_epilogue.py

@@ -493,7 +493,7 @@ def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _
             tuning.lookup(tuning_key(None, lay, save_product)) or default_config(lay, lay.a.element_size())
         loads = config[6] if len(config) > 6 else "tma" if tma else "pointer"
         if loads != "pointer":  # a tuned TMA config on operands that do not allow it reads by pointers
-            loads = (tma + loads[len(loads.removesuffix(PERSISTENT)):]) if tma else "pointer"
+            loads = tma + (PERSISTENT if loads.endswith(PERSISTENT) else "") if tma else "pointer"
         config = (*config[:6], loads)
         kinds = side_kinds(lay.sides)
         # persistent: the output tile leaves by TMA too (asynchronously; rows of 16-byte multiples)
