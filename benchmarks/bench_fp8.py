@@ -98,31 +98,43 @@ def quantize_rows() -> list:
     return rows
 
 
-def norm_cast_rows() -> list:
-    """RMSNorm whose output feeds FP8 linears: our norm then our cast (two kernels), our norm writing
-    the FP8 copy itself (fusion::rms_norm_fp8), and Inductor compiling norm + cast from torch ops."""
+def producer_cast_rows() -> list:
+    """Kernels whose output feeds FP8 linears (RMSNorm; the GLU before the down projection): ours then
+    our cast (two kernels), ours writing the FP8 copy itself (fusion::rms_norm_fp8, fusion::glu_fp8),
+    and Inductor compiling the op + cast from torch ops. GB/s count each kernel's bytes once (the
+    reads, y, its FP8 copy)."""
     from fusion_compiler.codegen import fp8 as kernels
     rows = []
 
-    def eager_math(x, w):
-        y = F.rms_norm(x, (x.shape[-1],), w, 1e-6)
-        return y, *kernels.quantize_reference(y.view(-1, x.shape[-1]), torch.float8_e4m3fn, True)
-    inductor = torch.compile(eager_math)
+    def cast(y):
+        return kernels.quantize_reference(y.view(-1, y.shape[-1]), torch.float8_e4m3fn, True)
+    norm_math = torch.compile(lambda x, w: (lambda y: (y, *cast(y)))(F.rms_norm(x, (x.shape[-1],), w, 1e-6)))
+    glu_math = torch.compile(lambda g, u: (lambda y: (y, *cast(y)))(F.silu(g) * u))
     for m, n in ((4096, 2048), (8192, 4096)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-
-        def two_kernels():
-            y = torch.ops.fusion.rms_norm(x, w, 1e-6)[0]
-            return kernels.quantize(y, torch.float8_e4m3fn, True)
-        impls = {"norm + cast (ours, 2 kernels)": two_kernels,
+        impls = {"norm + cast (ours, 2 kernels)": lambda: kernels.quantize(torch.ops.fusion.rms_norm(x, w, 1e-6)[0],
+                                                                           torch.float8_e4m3fn, True),
                  "rms_norm_fp8 (ours, 1 kernel)": lambda: torch.ops.fusion.rms_norm_fp8(x, w, 1e-6),
-                 "inductor (norm + cast)": lambda: inductor(x, w)}
-        for impl, fn in impls.items():
-            ms = bench_gpu_ms(fn)
-            row = dict(shape=f"{m}x{n}", impl=impl, ms=round(ms, 4), gbps=round(m * n * (2 + 2 + 1) / ms / 1e6))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                 "inductor (norm + cast)": lambda: norm_math(x, w)}
+        rows += _timed_rows(impls, f"{m}x{n}", m * n * (2 + 2 + 1))
+    for m, n in ((4096, 8192), (8192, 14336)):
+        g, u = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        impls = {"glu + cast (ours, 2 kernels)": lambda: kernels.quantize(torch.ops.fusion.glu(g, u, "silu"),
+                                                                          torch.float8_e4m3fn, True),
+                 "glu_fp8 (ours, 1 kernel)": lambda: torch.ops.fusion.glu_fp8(g, u, "silu"),
+                 "inductor (silu(g) * u + cast)": lambda: glu_math(g, u)}
+        rows += _timed_rows(impls, f"glu {m}x{n}", m * n * (2 + 2 + 2 + 1))
+    return rows
+
+
+def _timed_rows(impls: dict, shape: str, nbytes: int) -> list:
+    rows = []
+    for impl, fn in impls.items():
+        ms = bench_gpu_ms(fn)
+        row = dict(shape=shape, impl=impl, ms=round(ms, 4), gbps=round(nbytes / ms / 1e6))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -211,11 +223,11 @@ def main():
     if "quantize" in args.parts:
         payload["quantize"] = quantize_rows()
         payload["breakdown"] = breakdown()
-        payload["norm_cast"] = norm_cast_rows()
+        payload["producer_cast"] = producer_cast_rows()
         save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         print(table(payload["breakdown"], ["impl", "kernel", "ms", "calls"]))
         print(table(payload["quantize"], ["shape", "layout", "scale", "impl", "ms", "gbps"]))
-        print(table(payload["norm_cast"], ["shape", "impl", "ms", "gbps"]))
+        print(table(payload["producer_cast"], ["shape", "impl", "ms", "gbps"]))
     if "linear" in args.parts:
         payload["scaled_mm_tflops_8192"] = round(scaled_mm_rate(), 1)
         print("scaled_mm 8192^3:", payload["scaled_mm_tflops_8192"], "TFLOP/s", flush=True)

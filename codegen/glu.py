@@ -9,12 +9,16 @@
 Backward: d_gate = dy * up * act'(gate), d_up = dy * act(gate).
 gate, up and their gradients are [rows, N] views with their own row strides, so the halves of a fused
 gate/up projection are read (and their gradients written) in place, with no copy or concatenation.
+With an FP8 dtype the forward keeps whole rows (N <= fp8.ROW_MAX) and also writes y's FP8 copy with a
+scale per row (codegen/fp8.py; y as stored, rounded to its dtype, is what is cast): the input of the
+FP8 linear that reads y (patterns/fp8.py), which then skips its own cast.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, as_rows, cdiv, fast_launch, interpreting, next_pow2
+from . import fp8
+from .launch import alloc, as_rows, cdiv, fast_launch, interpreting, next_pow2, row_tile
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -41,13 +45,16 @@ def _act_and_grad(g, ACT: tl.constexpr):
 @triton.jit
 def _glu_fwd_kernel(
     # pointers
-    GATE, UP, Y,
+    GATE, UP, Y, Q, INV,
     # sizes
     M, N,
     # row strides
     stride_g, stride_u, stride_y,
     # meta-parameters
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    # the FP8 copy of y (QUANT: BLOCK_N covers the row), codegen/fp8.cast_args
+    QUANT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,7 +62,12 @@ def _glu_fwd_kernel(
     g = tl.load(GATE + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
+    y = (a * u).to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if QUANT:
+        q, inv = fp8.quantize_rows_tile(y.to(tl.float32), FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
+        tl.store(Q + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
+        tl.store(INV + rows, inv, mask=rows < M)
 
 
 @fast_launch
@@ -87,19 +99,29 @@ def _tile(n: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def glu_fwd(gate, up, act: str):
-    """act(gate) * up for gate and up of one shape; returns a contiguous tensor of that shape."""
+def glu_fwd(gate, up, act: str, fp8_dtype=None):
+    """act(gate) * up for gate and up of one shape: a contiguous tensor of that shape; with an fp8_dtype
+    (rows of at most fp8.ROW_MAX), (y, q [rows, N] row-major, its dequantization scale [rows, 1] fp32)."""
     n = gate.shape[-1]
     g2, u2 = as_rows(gate), as_rows(up)
     m = g2.shape[0]
     y = alloc((m, n), torch.promote_types(gate.dtype, up.dtype), gate.device)
-    block_m, block_n = _tile(n)
+    q = inv = None
+    if fp8_dtype is None:
+        (block_m, block_n), warps = _tile(n), 4
+    else:
+        if n > fp8.ROW_MAX:
+            raise ValueError(f"glu_fwd: the FP8 copy keeps whole rows, at most {fp8.ROW_MAX} wide, not {n}")
+        block_m, block_n, warps = row_tile(n)
+        q, inv = alloc((m, n), fp8_dtype, gate.device), alloc((m, 1), torch.float32, gate.device)
     if m * n > 0:
         _glu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-            g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
-            ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            g2, u2, y, y if q is None else q, y if inv is None else inv, m, n, g2.stride(0), u2.stride(0), y.stride(0),
+            ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            QUANT=q is not None, **fp8.cast_args(fp8_dtype or torch.float8_e4m3fn),
         )
-    return y.view(gate.shape)
+    y = y.view(gate.shape)
+    return y if q is None else (y, q, inv)
 
 
 def glu_bwd(dy, gate, up, act: str, dgate=None, dup=None):

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from fusion_compiler import cost
 from fusion_compiler.canonical import val
+from fusion_compiler.codegen.fp8 import ROW_MAX
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.ops import fp8 as fp8_op
 from fusion_compiler.patterns.checks import float_dtype, one_device
@@ -70,8 +71,12 @@ def _row(gid, node, verdict, reason, inputs, estimate=None) -> Decision:
                     time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel=KERNEL)
 
 
+# the kernels that can also write their output's FP8 copy (by rows), and their twins that do
 _NORMS = {torch.ops.fusion.rms_norm.default: torch.ops.fusion.rms_norm_fp8.default,
           torch.ops.fusion.add_rms_norm.default: torch.ops.fusion.add_rms_norm_fp8.default}
+_GLUS = {torch.ops.fusion.glu.default: torch.ops.fusion.glu_fp8.default,
+         torch.ops.fusion.glu_packed.default: torch.ops.fusion.glu_packed_fp8.default}
+_TWINS = {**_NORMS, **_GLUS}
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -91,24 +96,26 @@ def _dtype_only(cast: fx.Node) -> bool:
         and a.is_contiguous() == b.is_contiguous()
 
 
-def _norm_producer(src: fx.Node) -> fx.Node | None:
-    """The fusion RMSNorm whose output y `src` is: y itself, or y cast to fp32 and back (exact)."""
+def _producer(src: fx.Node) -> fx.Node | None:
+    """The fusion kernel whose output y `src` is, if it can write y's FP8 copy too: a RMSNorm (y its
+    output 0) or a GLU (rows of at most ROW_MAX, cast from registers); src is y itself, or y cast to
+    fp32 and back (exact)."""
     dtype = val(src).dtype
     while src.op == "call_function" and src.target is aten._to_copy.default and _dtype_only(src) \
             and val(src.args[0]).dtype in (dtype, torch.float32, torch.float64):
         src = src.args[0]
-    if not (src.op == "call_function" and src.target is operator.getitem and src.args[1] == 0
-            and val(src).dtype == dtype):
+    if src.op != "call_function" or val(src).dtype != dtype or not val(src).is_contiguous():
         return None
-    norm = src.args[0]
-    ok = norm.op == "call_function" and norm.target in _NORMS and val(src).is_contiguous()
-    return norm if ok else None
+    if src.target in _GLUS:
+        return src if val(src).shape[-1] <= ROW_MAX else None
+    norm = src.args[0] if src.target is operator.getitem and src.args[1] == 0 else None
+    return norm if isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target in _NORMS else None
 
 
 def _cast_plans(taken: list, config) -> dict:
     """Per-row recipes: where each taken linear's input gets its FP8 copy. Keyed by the input's
-    source (the tensor before F.linear's view): ("fused", norm node, readers) when a fusion RMSNorm
-    produced it, ("shared", first reader's mm node, readers) when two or more linears read it, else
+    source (the tensor before F.linear's view): ("fused", producer node, readers) when a fusion RMSNorm
+    or GLU produced it (`_producer`), ("shared", first reader's mm node, readers) when two or more linears read it, else
     absent (the linear casts x itself). `taken` holds (mm node, input, weight) in graph order."""
     if not (fp8_op.recipe(config.fp8).per_row and config.fp8_fuse_cast):
         return {}
@@ -117,29 +124,37 @@ def _cast_plans(taken: list, config) -> dict:
         groups.setdefault(_key(a), []).append(node)
     plans = {}
     for key, readers in groups.items():
-        norm = _norm_producer(key)
-        if norm is not None:
-            plans[key] = ("fused", norm, len(readers))
+        producer = _producer(key)
+        if producer is not None:
+            plans[key] = ("fused", producer, len(readers))
         elif len(readers) > 1:
             plans[key] = ("shared", readers[0], len(readers))
     return plans
 
 
 def _emit_casts(gm: fx.GraphModule, plans: dict, config) -> dict:
-    """Rewrite each plan into the graph; {source: (q node, scale node)}."""
+    """Rewrite each plan into the graph; {source: (q node, scale node)}, keyed by the plans' sources
+    (a GLU's source is the GLU node itself, erased here: look casts up by the keys taken before)."""
     graph, casts, swapped = gm.graph, {}, {}
     for src, (how, node, _) in plans.items():
         if how == "fused":
-            norm = node
-            if norm not in swapped:
-                with graph.inserting_after(norm):
-                    fused = graph.call_function(_NORMS[norm.target], norm.args, norm.kwargs)
-                fused.meta.update(norm.meta)
-                fused.meta["val"] = _NORMS[norm.target](*[val(a) if isinstance(a, fx.Node) else a for a in norm.args])
-                norm.replace_all_uses_with(fused)
-                graph.erase_node(norm)
-                swapped[norm] = fused
-            fused = swapped[norm]
+            producer = node
+            if producer not in swapped:
+                twin = _TWINS[producer.target]
+                with graph.inserting_after(producer):
+                    fused = graph.call_function(twin, producer.args, producer.kwargs)
+                fused.meta.update(producer.meta)
+                fused.meta["val"] = twin(*[val(a) if isinstance(a, fx.Node) else a for a in producer.args])
+                if producer.target in _GLUS:  # y alone -> (y, q, scale)
+                    with graph.inserting_after(fused):
+                        y = graph.call_function(operator.getitem, (fused, 0))
+                    y.meta["val"] = fused.meta["val"][0]
+                    producer.replace_all_uses_with(y)
+                else:  # (y, ..., rstd) -> the same + (q, scale)
+                    producer.replace_all_uses_with(fused)
+                graph.erase_node(producer)
+                swapped[producer] = fused
+            fused = swapped[producer]
             n_out = len(fused.meta["val"])
             with graph.inserting_after(fused):
                 scale = graph.call_function(operator.getitem, (fused, n_out - 1))
@@ -166,7 +181,7 @@ def _plan_note(plan) -> str:
         return ""
     how, node, n = plan
     if how == "fused":
-        return f"; x cast to FP8 in {_NORMS[node.target].name()}, the kernel producing it ({n} linear(s) read it)"
+        return f"; x cast to FP8 in {_TWINS[node.target].name()}, the kernel producing it ({n} linear(s) read it)"
     return f"; x cast to FP8 once for the {n} linears that read it"
 
 
@@ -203,10 +218,11 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         taken.append((node, a, w, estimate))
     # the casts planned for the linears taken (a plan that lost readers to the cost model is re-made)
     plans = _cast_plans([(node, a, w) for node, a, w, _ in taken], config)
+    keys = {node: _key(a) for node, a, _, _ in taken}
     casts = _emit_casts(gm, plans, config)
     for node, a, w, estimate in taken:
         x_val, w_val = val(a), val(w)
-        q_scale = casts.get(_key(a), ())
+        q_scale = casts.get(keys[node], ())
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(torch.ops.fusion.fp8_linear.default,
                                           (a, w, config.fp8, config.fp8_emulate, *q_scale))
@@ -218,7 +234,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
-        log.add(_row(gid, call, "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(_key(a)))}",
+        log.add(_row(gid, call, "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}",
                      [x_val, w_val], estimate))
     if taken:
         gm.graph.eliminate_dead_code()

@@ -8,6 +8,7 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.rope(x, cos, sin, interleaved)         -> x rotated
     torch.ops.fusion.glu(gate, up, act)                     -> act(gate) * up
     torch.ops.fusion.glu_packed(x, act, gate_first)         -> the same on the two halves of x
+    torch.ops.fusion.glu_fp8 / glu_packed_fp8(...)          -> (y, y in e4m3 [rows, N], its scale [rows, 1])
     torch.ops.fusion.cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
                                                             -> (loss, d loss / d logits)
     torch.ops.fusion.linear_cross_entropy(h, w, b, target, ignore_index, reduction, label_smoothing,

@@ -1,4 +1,9 @@
-"""Elementwise ops: rotary embedding and gated linear units (kernels in codegen/rope.py, glu.py)."""
+"""Elementwise ops: rotary embedding and gated linear units (kernels in codegen/rope.py, glu.py).
+
+The `_fp8` GLU variants also return y's e4m3 copy with a scale per row, written by the same kernel: the
+input of the FP8 linear that reads y (patterns/fp8.py: the MLP's down projection), which then skips
+its own cast of it. Their gradients are the plain GLU's.
+"""
 import torch
 from torch import Tensor
 
@@ -6,6 +11,7 @@ from fusion_compiler.codegen import glu as glu_kernels
 from fusion_compiler.codegen.launch import alloc
 from fusion_compiler.codegen import rope as rope_kernels
 from fusion_compiler.ops.define import fusion_op
+from fusion_compiler.ops.fp8 import rows_fake
 
 
 # --- RoPE ------------------------------------------------------------------------------------------
@@ -82,19 +88,32 @@ def _(dy, gate, up, act):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
+@fusion_op("fusion::glu_fp8")
+def glu_fp8(gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor, Tensor]:
+    return glu_kernels.glu_fwd(gate, up, act, fp8_dtype=torch.float8_e4m3fn)
+
+
+@glu_fp8.register_fake
+def _(gate, up, act):
+    return (glu(gate, up, act), *rows_fake(gate))
+
+
 def _glu_setup(ctx, inputs, output):
     gate, up, act = inputs
     ctx.act = act
     ctx.save_for_backward(gate, up)
+    if isinstance(output, tuple):  # the FP8 copy
+        ctx.mark_non_differentiable(*output[1:])
 
 
-def _glu_grad(ctx, dy):
+def _glu_grad(ctx, dy, *_):
     gate, up = ctx.saved_tensors
     dgate, dup = glu_backward(dy, gate, up, ctx.act)
     return dgate, dup, None
 
 
-glu.register_autograd(_glu_grad, setup_context=_glu_setup)
+for _op in (glu, glu_fp8):
+    _op.register_autograd(_glu_grad, setup_context=_glu_setup)
 
 
 def _halves(x: Tensor, gate_first: bool) -> tuple[Tensor, Tensor]:
@@ -127,15 +146,30 @@ def _(dy, x, act, gate_first):
     return x.new_empty(x.shape)
 
 
+@fusion_op("fusion::glu_packed_fp8")
+def glu_packed_fp8(x: Tensor, act: str, gate_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    gate, up = _halves(x, gate_first)
+    return glu_kernels.glu_fwd(gate, up, act, fp8_dtype=torch.float8_e4m3fn)
+
+
+@glu_packed_fp8.register_fake
+def _(x, act, gate_first):
+    y = glu_packed(x, act, gate_first)
+    return (y, *rows_fake(y))
+
+
 def _glu_packed_setup(ctx, inputs, output):
     x, act, gate_first = inputs
     ctx.act, ctx.gate_first = act, gate_first
     ctx.save_for_backward(x)
+    if isinstance(output, tuple):  # the FP8 copy
+        ctx.mark_non_differentiable(*output[1:])
 
 
-def _glu_packed_grad(ctx, dy):
+def _glu_packed_grad(ctx, dy, *_):
     (x,) = ctx.saved_tensors
     return glu_packed_backward(dy, x, ctx.act, ctx.gate_first), None, None
 
 
-glu_packed.register_autograd(_glu_packed_grad, setup_context=_glu_packed_setup)
+for _op in (glu_packed, glu_packed_fp8):
+    _op.register_autograd(_glu_packed_grad, setup_context=_glu_packed_setup)

@@ -15,8 +15,8 @@ scales, the same FP8 rounding: our kernels wherever Triton runs, the interpreter
 torch ops) and the products in fp32 from the dequantized operands: the math of the recipe on any
 device, for CPU tests.
 x_fp8 and x_scale: x already cast (per-row recipes: e4m3, a scale per row), by the kernel that produced
-x (ops/norm.py's rms_norm_fp8) or by one fp8_quantize_rows shared by the linears that read x; the
-forward then skips its own cast of x (x itself is still saved for dW).
+x (ops/norm.py's rms_norm_fp8, ops/elementwise.py's glu_fp8) or by one fp8_quantize_rows shared by the
+linears that read x; the forward then skips its own cast of x (x itself is still saved for dW).
 """
 import dataclasses
 from typing import Optional
@@ -90,9 +90,16 @@ def fp8_quantize_rows(x: Tensor, emulate: bool) -> tuple[Tensor, Tensor]:
     return _quantize(x, E4M3, True, emulate)
 
 
+def rows_fake(y: Tensor) -> tuple[Tensor, Tensor]:
+    """The fake (q, scale) of y's e4m3 copy by rows, [rows, N] and [rows, 1]: what fp8_quantize_rows
+    and the kernels that cast their own output (ops/norm.py, ops/elementwise.py) return."""
+    rows = y.numel() // y.shape[-1]
+    return y.new_empty((rows, y.shape[-1]), dtype=E4M3), y.new_empty((rows, 1), dtype=torch.float32)
+
+
 @fp8_quantize_rows.register_fake
 def _(x, emulate):
-    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    return rows_fake(x)
 
 
 def _no_grad_setup(ctx, inputs, output):

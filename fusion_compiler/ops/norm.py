@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fusion_compiler.codegen import layernorm, rmsnorm
 from fusion_compiler.ops.define import fusion_op
+from fusion_compiler.ops.fp8 import rows_fake
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -61,7 +62,7 @@ def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor,
 
 @rms_norm_fp8.register_fake
 def _(x, weight, eps):
-    return (*rms_norm(x, weight, eps), *_fp8_fake(x))
+    return (*rms_norm(x, weight, eps), *rows_fake(x))
 
 
 @fusion_op("fusion::add_rms_norm_fp8")
@@ -72,12 +73,7 @@ def add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
 
 @add_rms_norm_fp8.register_fake
 def _(x, residual, weight, eps):
-    return (*add_rms_norm(x, residual, weight, eps), *_fp8_fake(x))
-
-
-def _fp8_fake(x: Tensor) -> tuple[Tensor, Tensor]:
-    rows = _rows(x)
-    return x.new_empty((rows, x.shape[-1]), dtype=torch.float8_e4m3fn), x.new_empty((rows, 1), dtype=torch.float32)
+    return (*add_rms_norm(x, residual, weight, eps), *rows_fake(x))
 
 
 def _rms_setup(ctx, inputs, output):

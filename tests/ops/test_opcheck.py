@@ -78,7 +78,9 @@ def test_opcheck_fp8_ops():
         torch.library.opcheck(fusion.fp8_linear, args, test_utils=checks + ("test_aot_dispatch_dynamic",))
     for op, args in [(fusion.fp8_quantize_rows, (x, True)),
                      (fusion.rms_norm_fp8, (_p(3, 5, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
-                     (fusion.add_rms_norm_fp8, (_p(3, 40, dtype=bf16), _p(3, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6))]:
+                     (fusion.add_rms_norm_fp8, (_p(3, 40, dtype=bf16), _p(3, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
+                     (fusion.glu_fp8, (_p(3, 5, 40, dtype=bf16), _p(3, 5, 40, dtype=bf16), "silu")),
+                     (fusion.glu_packed_fp8, (_p(3, 80, dtype=bf16), "gelu", True))]:
         torch.library.opcheck(op, args, test_utils=checks)
 
 

@@ -1,5 +1,5 @@
-"""FP8 linears whose input cast is fused into its producer (an RMSNorm's kernel writes the FP8 copy
-of its output) or shared by the linears that read one input: on CPU in emulate mode, the same values
+"""FP8 linears whose input cast is fused into its producer (an RMSNorm's or a GLU's kernel writes the
+FP8 copy of its output) or shared by the linears that read one input: on CPU in emulate mode, the same values
 as each linear casting its input itself (bit for bit: the same rounding in one kernel or another),
 outputs and every gradient, and within the recipe's SQNR of bf16 eager."""
 import pytest
@@ -59,12 +59,15 @@ def test_cast_in_the_norm_kernel_equals_each_linear_casting_its_input():
         assert torch.equal(g, g_off)
     ops = fusion_ops(be)
     assert ops.count("fusion::fp8_linear") == 7 and ops.count("fusion::add_rms_norm_fp8") == 2
+    assert ops.count("fusion::glu_fp8") == 1 and "fusion::glu" not in ops
     assert "fusion::add_rms_norm" not in ops and "fusion::fp8_quantize_rows" not in ops
     notes = [d.reason for d in be.log.decisions if d.pattern == "fp8_linear"]
     assert sum("cast to FP8 in fusion::add_rms_norm_fp8, the kernel producing it (3 linear(s)" in n for n in notes) == 3
     assert sum("(2 linear(s) read it)" in n for n in notes) == 2
+    assert sum("cast to FP8 in fusion::glu_fp8, the kernel producing it (1 linear(s)" in n for n in notes) == 1
     off_ops = fusion_ops(be_off)
     assert off_ops.count("fusion::add_rms_norm") == 2 and "fusion::add_rms_norm_fp8" not in off_ops
+    assert off_ops.count("fusion::glu") == 1 and "fusion::glu_fp8" not in off_ops
     # and against bf16 eager: the recipe's error, not more
     xs = [t.detach().clone().requires_grad_() for t in (x, r)]
     ref = block(*xs)
@@ -198,3 +201,52 @@ def test_a_norm_output_changed_before_the_linears_is_not_cast_in_the_norm():
     assert ops.count("fusion::fp8_quantize_rows") == 1 and ops.count("fusion::fp8_linear") == 7
     notes = [d.reason for d in be.log.decisions if d.pattern == "fp8_linear"]
     assert sum("cast to FP8 once for the 3 linears" in n for n in notes) == 3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_glu_kernel_fp8_copy(packed):
+    """Odd sizes (39 rows of 200, the halves of a packed [.., 400] input read in place); the FP8 copy
+    and scale equal the quantization kernel's on y; y and the gradients equal the plain GLU's."""
+    torch.manual_seed(3)
+    if packed:
+        x = torch.randn(3, 13, 400, dtype=torch.bfloat16) * 3
+        args, ops = [x], (torch.ops.fusion.glu_packed_fp8, torch.ops.fusion.glu_packed)
+        extra = ("silu", False)
+    else:
+        x = torch.randn(3, 13, 200, dtype=torch.bfloat16) * 3
+        args, ops = [x, torch.randn(3, 13, 200, dtype=torch.bfloat16)], (torch.ops.fusion.glu_fp8, torch.ops.fusion.glu)
+        extra = ("gelu_tanh",)
+    leaves = [t.clone().requires_grad_() for t in args]
+    plain = [t.clone().requires_grad_() for t in args]
+    (y, q, scale), ref = ops[0](*leaves, *extra), ops[1](*plain, *extra)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (39, 200) and scale.shape == (39, 1)
+    assert torch.equal(y, ref)
+    want_q, want_scale = kernels.quantize(ref.detach().reshape(39, 200), torch.float8_e4m3fn, True)
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
+    dy = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, plain, dy)):
+        assert torch.equal(a, b)
+
+
+def test_glu_rows_wider_than_a_register_row_are_cast_by_the_linear():
+    """Near miss: a GLU output wider than ROW_MAX cannot be cast from registers in the GLU's kernel: the
+    GLU stays plain (and the kernel refuses to be asked), the down projection casts its own input."""
+    class Wide(torch.nn.Module):
+        def __init__(self, f):
+            super().__init__()
+            self.down = torch.nn.Linear(f, 32, bias=False)
+
+        def forward(self, g, u):
+            return self.down(F.silu(g) * u)
+    f = kernels.ROW_MAX + 16
+    torch.manual_seed(4)
+    mod = Wide(f).to(torch.bfloat16)
+    g, u = (torch.randn(16, f, dtype=torch.bfloat16) for _ in range(2))
+    torch.compiler.reset()
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True)
+    y = torch.compile(mod, backend=be)(g, u)
+    ops = fusion_ops(be)
+    assert ops.count("fusion::glu") == 1 and "fusion::glu_fp8" not in ops and ops.count("fusion::fp8_linear") == 1
+    assert sqnr(y, mod(g, u)) >= 20
+    with pytest.raises(ValueError, match="whole rows"):
+        torch.ops.fusion.glu_fp8(g, u, "silu")
