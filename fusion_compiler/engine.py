@@ -334,6 +334,9 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
     device = next((v.device for v in match.tensor_inputs()), torch.device("cpu"))
     ctx = cost.CostContext.of(device, config, training)
     estimate = (pattern.should_apply or cost.estimate_fused)(match, ctx)
+    if pattern.fp8_producer:
+        from fusion_compiler.patterns import fp8
+        estimate = fp8.with_cast_credit(estimate, match.outputs[0], config, needs_grad)
     if config.cost_model == "roofline" and not estimate.profitable:
         return _row(gid, pattern, match, "rejected", estimate.reason(), estimate), None, []
     grads = [isinstance(a, fx.Node) and a in needs_grad for a in match.inputs]

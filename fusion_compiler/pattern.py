@@ -16,6 +16,10 @@ Outputs after the first must be computed on the way to the first (e.g. (norm(x +
 
 can_apply(match) -> None | str      legality: None, or the reason the region must not be rewritten
 should_apply(match, ctx) -> Estimate profitability: cost.estimate_fused by default
+fp8_producer=True                   the replacement's first output comes from a fusion op that can also
+                                    write it in FP8 by rows (an `_fp8` twin in patterns/fp8.py: the
+                                    library's norms and GLUs); with an FP8 recipe the cost model credits
+                                    the region with the casts it saves the FP8 linears reading it
 """
 import dataclasses
 from typing import Any, Callable, Optional
@@ -39,6 +43,7 @@ class Pattern:
     should_apply: Optional[Callable[[Any, Any], Any]] = None
     priority: int = 0  # larger runs first (a region matched by a larger pattern is not re-matched)
     kernel: str = ""  # cost-model key (e.g. "rms_norm"); defaults to the name
+    fp8_producer: bool = False  # output 0 can be written in FP8 too (patterns/fp8.py's twins)
     _graph: Optional[fx.GraphModule] = dataclasses.field(default=None, repr=False)
     _exact: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -69,7 +74,7 @@ def scalars(values) -> dict:
 
 def register_pattern(name: str, *, replacement: Callable, example_inputs, family: str = "custom",
                      can_apply=None, should_apply=None, priority: int = 0, kernel: str = "",
-                     search: Optional[Callable] = None):
+                     search: Optional[Callable] = None, fp8_producer: bool = False):
     """Register a pattern (returns the search function, so it works as a decorator or a call)."""
     def add(fn):
         if name in _REGISTRY:
@@ -77,7 +82,7 @@ def register_pattern(name: str, *, replacement: Callable, example_inputs, family
         if not any(isinstance(t, torch.Tensor) for t in example_inputs):
             raise ValueError(f"pattern {name!r}: example_inputs need at least one tensor")
         _REGISTRY[name] = Pattern(name, family, fn, replacement, tuple(example_inputs), can_apply,
-                                  should_apply, priority, kernel or name)
+                                  should_apply, priority, kernel or name, fp8_producer)
         return fn
     return add(search) if search is not None else add
 

@@ -113,13 +113,16 @@ def _register_glu(act: str) -> None:
     glu_packed_up_first.__doc__ = f"before: up, gate = x.chunk(2, -1); up * {act}(gate)    after: fusion.glu_packed(x)"
     register_pattern(f"glu_{act}", family="elementwise", kernel="glu", search=glu,
                      replacement=lambda g, u: torch.ops.fusion.glu(g, u, act),
-                     example_inputs=[torch.randn(4, 16), torch.randn(4, 16)], can_apply=_glu_legal, priority=5)
+                     example_inputs=[torch.randn(4, 16), torch.randn(4, 16)], can_apply=_glu_legal, priority=5,
+                     fp8_producer=True)
     register_pattern(f"glu_{act}_packed", family="elementwise", kernel="glu_packed", search=glu_packed,
                      replacement=lambda x: torch.ops.fusion.glu_packed(x, act, True),
-                     example_inputs=[torch.randn(4, 32)], can_apply=_glu_packed_legal, priority=10)
+                     example_inputs=[torch.randn(4, 32)], can_apply=_glu_packed_legal, priority=10,
+                     fp8_producer=True)
     register_pattern(f"glu_{act}_packed_up_first", family="elementwise", kernel="glu_packed",
                      search=glu_packed_up_first, replacement=lambda x: torch.ops.fusion.glu_packed(x, act, False),
-                     example_inputs=[torch.randn(4, 32)], can_apply=_glu_packed_legal, priority=10)
+                     example_inputs=[torch.randn(4, 32)], can_apply=_glu_packed_legal, priority=10,
+                     fp8_producer=True)
 
 
 for _act in ACTIVATIONS:

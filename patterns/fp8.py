@@ -16,6 +16,7 @@ scaled GEMM returns bf16 only). Linears with a bias (addmm) are left alone.
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
 """
+import dataclasses
 import operator
 import types
 
@@ -96,20 +97,81 @@ def _dtype_only(cast: fx.Node) -> bool:
         and a.is_contiguous() == b.is_contiguous()
 
 
-def _producer(src: fx.Node) -> fx.Node | None:
-    """The fusion kernel whose output y `src` is, if it can write y's FP8 copy too: a RMSNorm (y its
-    output 0) or a GLU (rows of at most ROW_MAX, cast from registers); src is y itself, or y cast to
-    fp32 and back (exact)."""
+def _uncast(src: fx.Node) -> fx.Node:
+    """What src is an exact cast of: through casts to fp32/fp64 and back to src's dtype."""
     dtype = val(src).dtype
     while src.op == "call_function" and src.target is aten._to_copy.default and _dtype_only(src) \
             and val(src.args[0]).dtype in (dtype, torch.float32, torch.float64):
         src = src.args[0]
+    return src
+
+
+def _producer(src: fx.Node) -> fx.Node | None:
+    """The fusion kernel whose output y `src` is, if it can write y's FP8 copy too: a RMSNorm (y its
+    output 0) or a GLU (rows of at most ROW_MAX, cast from registers); src is y itself, or an exact
+    cast of y (`_uncast`)."""
+    dtype = val(src).dtype
+    src = _uncast(src)
     if src.op != "call_function" or val(src).dtype != dtype or not val(src).is_contiguous():
         return None
     if src.target in _GLUS:
         return src if val(src).shape[-1] <= ROW_MAX else None
     norm = src.args[0] if src.target is operator.getitem and src.args[1] == 0 else None
     return norm if isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target in _NORMS else None
+
+
+def _readers(y: fx.Node, config) -> list:
+    """(mm node, input, weight) of the bias-free linears that read y (or F.linear's 2-D view of it)
+    and may run in FP8."""
+    found, sources = [], _cast_forms(y)
+    for src in sources:
+        for user in src.users:
+            views = user.users if user.op == "call_function" and user.target in _VIEWS else {}
+            for node in (user, *views):
+                parts = linear_operands(node) if node.op == "call_function" and node.target is aten.mm.default else None
+                if parts and _key(parts[0]) is src and \
+                        not _legal(val(parts[0]), val(parts[1]), config.fp8, config.fp8_emulate):
+                    found.append((node, parts[0], parts[1]))
+    return found
+
+
+def _cast_forms(y: fx.Node) -> list:
+    """y and the casts of it that `_uncast` reads back to y (the user's cast to fp32 and back, or a
+    norm's output computed in fp32 and cast to the linears' dtype)."""
+    reached = [y]
+    for node in reached:
+        reached += [u for u in node.users if u.op == "call_function" and u.target is aten._to_copy.default
+                    and _dtype_only(u)]
+    return [n for n in reached if _uncast(n) is y]
+
+
+def with_cast_credit(estimate: cost.Estimate, y: fx.Node, config, needs_grad: set) -> cost.Estimate:
+    """The estimate of a norm or GLU region (a pattern with fp8_producer) whose fusion kernel would
+    also write y's FP8 copy by rows: the FP8 linears reading y then skip their cast of it, so the
+    hand-off side is charged what those casts cost there: each linear casting y itself (one cast
+    shared when several read it), or, where only the fused cast makes FP8 pay, the linear in 16 bits.
+    Linears the cost model would not take in FP8 even with the fused cast earn nothing. The FP8 pass
+    then plans these casts exactly so (`_cast_plans`)."""
+    if config.fp8 is None or not config.enables(DESCRIPTOR) or not config.fp8_fuse_cast \
+            or not fp8_op.recipe(config.fp8).per_row:
+        return estimate
+    if val(y).shape[-1] > ROW_MAX or not val(y).is_contiguous():
+        return estimate
+    readers, credit, paid = _readers(y, config), 0.0, 0
+    for node, a, w in readers:
+        x, wv = val(a), val(w)
+        ctx = cost.CostContext.of(x.device, config, node in needs_grad)
+        fused, alone = (cost.estimate_fp8_linear(x.shape[0], wv.shape[0], x.shape[1], x.element_size(), True, ctx,
+                                                 x_cast=how, readers=len(readers))
+                        for how in ("fused", "own" if len(readers) == 1 else "shared"))
+        if fused.profitable:
+            credit += (alone.ours_s if alone.profitable else alone.baseline_s) - fused.ours_s
+            paid += 1
+    if credit <= 0:
+        return estimate
+    note = f"writing its FP8 copy saves {paid} FP8 linear(s) reading it {credit * 1e6:.1f} us of casts"
+    return dataclasses.replace(estimate, baseline_s=estimate.baseline_s + credit,
+                               note=f"{estimate.note}; {note}" if estimate.note else note)
 
 
 def _cast_plans(taken: list, config) -> dict:

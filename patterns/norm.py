@@ -45,7 +45,7 @@ def _rms_norm_legal(match) -> str | None:
 
 register_pattern("rms_norm", family="norm", search=rms_norm, replacement=_rms_norm_replacement,
                  example_inputs=[torch.randn(4, 16), torch.randn(16), EPS],
-                 can_apply=_rms_norm_legal, priority=10)
+                 can_apply=_rms_norm_legal, priority=10, fp8_producer=True)
 
 
 # --- residual add + RMSNorm ------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def _add_rms_norm_legal(match) -> str | None:
 
 register_pattern("add_rms_norm", family="norm", search=add_rms_norm, replacement=_add_rms_norm_replacement,
                  example_inputs=[torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), EPS],
-                 can_apply=_add_rms_norm_legal, priority=20)
+                 can_apply=_add_rms_norm_legal, priority=20, fp8_producer=True)
 
 
 # --- LayerNorm -------------------------------------------------------------------------------------------

@@ -250,3 +250,63 @@ def test_glu_rows_wider_than_a_register_row_are_cast_by_the_linear():
     assert sqnr(y, mod(g, u)) >= 20
     with pytest.raises(ValueError, match="whole rows"):
         torch.ops.fusion.glu_fp8(g, u, "silu")
+
+
+class _Compiled(Exception):
+    """Raised by `_decide` after the backend has compiled (and so decided) a graph."""
+
+
+def _decide(module, x, **config) -> list:
+    """Compile only (the decisions; the interpreter does not run these reference-sized kernels): the
+    cost model as on the reference GPU under CUDA graphs, against Inductor."""
+    torch.compiler.reset()
+    be = fc.backend(handoff="aot_eager", fp8_emulate=True, device_profile="h200", cudagraphs=True,
+                    cost_baseline="inductor", verify_kernels=False, **config)
+
+    def compile_then_stop(gm, example_inputs):
+        be(gm, example_inputs)
+        raise _Compiled
+    with pytest.raises(Exception, match="_Compiled"):
+        torch.compile(module, backend=compile_then_stop)(x)
+    return be.log.decisions
+
+
+class RefMLP(torch.nn.Module):
+    """The reference Llama step's MLP (2 x 2048 tokens, hidden 2048, ffn 8192), `out` wide."""
+
+    def __init__(self, out=2048):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(2048, 8192, bias=False), torch.nn.Linear(2048, 8192, bias=False)
+        self.down = torch.nn.Linear(8192, out, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_glu_inductor_would_keep_is_taken_for_the_cast_it_saves():
+    """At the reference MLP our GLU alone does not beat Inductor's (est. 136.6 vs 131.5 us, fwd+bwd),
+    but writing its FP8 copy spares the down projection its own cast (24.8 us): with the rowwise recipe
+    the cost model takes the GLU for both and the down projection reads the copy. Without the fused
+    cast, or without FP8, the GLU stays Inductor's."""
+    mlp = RefMLP().to(torch.bfloat16)
+    x = torch.randn(2, 2048, 2048, dtype=torch.bfloat16)
+    rows = {cfg: [d for d in _decide(mlp, x, **dict(cfg)) if d.pattern in ("glu_silu", "fp8_linear")]
+            for cfg in ((("fp8", "rowwise"),), (("fp8", "rowwise"), ("fp8_fuse_cast", False)), ())}
+    taken, unfused, plain = rows.values()
+    glu = next(d for d in taken if d.pattern == "glu_silu")
+    assert glu.verdict == "applied" and "writing its FP8 copy saves 1 FP8 linear(s) reading it" in glu.reason
+    down = [d for d in taken if d.pattern == "fp8_linear" and "cast to FP8 in fusion::glu_fp8" in d.reason]
+    assert len(down) == 1 and down[0].verdict == "applied"
+    for other in (unfused, plain):
+        glu = next(d for d in other if d.pattern == "glu_silu")
+        assert glu.verdict == "rejected" and "keep inductor" in glu.reason and "FP8 copy" not in glu.reason
+
+
+def test_no_credit_from_a_linear_that_stays_in_16_bits():
+    """Near miss: a down projection only 64 wide does not pay in FP8 even with its input cast for free, so
+    the GLU earns nothing for it and stays Inductor's."""
+    mlp = RefMLP(out=64).to(torch.bfloat16)
+    decisions = _decide(mlp, torch.randn(2, 2048, 2048, dtype=torch.bfloat16), fp8="rowwise")
+    glu = next(d for d in decisions if d.pattern == "glu_silu")
+    assert glu.verdict == "rejected" and "FP8 copy" not in glu.reason
+    assert not [d for d in decisions if d.pattern == "fp8_linear" and d.verdict == "applied" and "glu_fp8" in d.reason]
