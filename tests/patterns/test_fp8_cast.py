@@ -330,3 +330,31 @@ def test_casting_kernels_run_inside_inductors_generated_code():
     ref_grads = torch.autograd.grad(block(*xs), xs + list(block.parameters()), dy)
     for g, g_aot, g_ref in zip(grads, grads_aot, ref_grads):
         assert sqnr(g, g_ref) >= max(20, sqnr(g_aot, g_ref) - 1)
+
+
+def test_a_packed_gate_up_projection_casts_for_the_down_projection():
+    """gate and up from one linear (chunked in two, Phi-3 style): the packed GLU writes the FP8 copy
+    the down projection reads; bit for bit as the down projection casting its own input."""
+    class Packed(torch.nn.Module):
+        def __init__(self, d=64, f=96):
+            super().__init__()
+            self.gate_up, self.down = torch.nn.Linear(d, 2 * f, bias=False), torch.nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, -1)
+            return self.down(F.silu(gate) * up)
+    torch.manual_seed(5)
+    mod = Packed().to(torch.bfloat16)
+    x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
+    results = []
+    for fuse in (True, False):
+        torch.compiler.reset()
+        be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True, fp8_fuse_cast=fuse)
+        xi = x.clone().requires_grad_()
+        y = torch.compile(mod, backend=be)(xi)
+        results.append([y, *torch.autograd.grad(y.sum(), [xi, *mod.parameters()])])
+        ops = fusion_ops(be)
+        assert ops.count("fusion::glu_packed_fp8" if fuse else "fusion::glu_packed") == 1
+        assert ops.count("fusion::fp8_linear") == 2
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
