@@ -155,18 +155,24 @@ def test_a_2d_input_of_two_linears_is_cast_once():
         def forward(self, x):
             return self.a(x).sum(-1) + self.b(x).mean(-1)
     torch.manual_seed(2)
-    pair = Pair().to(torch.bfloat16)
-    x = torch.randn(48, 64, dtype=torch.bfloat16)
-    results = []
+    fused, unfused = _with_and_without_fused_casts(Pair().to(torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16))
+    assert fused.count("fusion::fp8_quantize_rows") == 1 and "fusion::fp8_quantize_rows" not in unfused
+
+
+def _with_and_without_fused_casts(mod, x) -> tuple[list, list]:
+    """Compile mod with fp8_fuse_cast on and off; the outputs and every gradient must be equal bit for
+    bit. Returns the fusion ops of each."""
+    results, ops = [], []
     for fuse in (True, False):
         torch.compiler.reset()
         be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True, fp8_fuse_cast=fuse)
         xi = x.clone().requires_grad_()
-        y = torch.compile(pair, backend=be)(xi)
-        results.append([y, *torch.autograd.grad(y.sum(), [xi, *pair.parameters()])])
-        assert fusion_ops(be).count("fusion::fp8_quantize_rows") == (1 if fuse else 0)
+        y = torch.compile(mod, backend=be)(xi)
+        results.append([y, *torch.autograd.grad(y.sum(), [xi, *mod.parameters()])])
+        ops.append(fusion_ops(be))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    return ops[0], ops[1]
 
 
 def test_a_replayed_step_does_not_pay_the_host_overhead():
@@ -344,17 +350,6 @@ def test_a_packed_gate_up_projection_casts_for_the_down_projection():
             gate, up = self.gate_up(x).chunk(2, -1)
             return self.down(F.silu(gate) * up)
     torch.manual_seed(5)
-    mod = Packed().to(torch.bfloat16)
-    x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
-    results = []
-    for fuse in (True, False):
-        torch.compiler.reset()
-        be = fc.backend(handoff="aot_eager", cost_model="always", fp8="rowwise", fp8_emulate=True, fp8_fuse_cast=fuse)
-        xi = x.clone().requires_grad_()
-        y = torch.compile(mod, backend=be)(xi)
-        results.append([y, *torch.autograd.grad(y.sum(), [xi, *mod.parameters()])])
-        ops = fusion_ops(be)
-        assert ops.count("fusion::glu_packed_fp8" if fuse else "fusion::glu_packed") == 1
-        assert ops.count("fusion::fp8_linear") == 2
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    fused, unfused = _with_and_without_fused_casts(Packed().to(torch.bfloat16), torch.randn(2, 24, 64, dtype=torch.bfloat16))
+    assert fused.count("fusion::glu_packed_fp8") == 1 and unfused.count("fusion::glu_packed") == 1
+    assert fused.count("fusion::fp8_linear") == unfused.count("fusion::fp8_linear") == 2
