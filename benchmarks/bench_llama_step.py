@@ -151,7 +151,7 @@ def main():
             torch.compiler.reset()
             torch.cuda.empty_cache()
         print(rows[-1], flush=True)
-    save(os.environ.get("BENCH_NAME", "llama_step.json"), {"env": env(), "rows": rows})
+        save(os.environ.get("BENCH_NAME", "llama_step.json"), {"env": env(), "rows": rows})  # a cut run keeps these
     print(env())
     print(table(rows, ["mode", "first_step_s", "step_ms", "gpu_ms", "tokens_per_s", "peak_GiB", "peak_MiB", "loss0", "applied", "rejected"]))
 
