@@ -183,14 +183,14 @@ def lr_factor(step: int, steps: int, schedule: str) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm - 1)))
 
 
-def train(mode: str, steps: int, schedule: str = "cosine") -> list:
+def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: float = 1e-3) -> list:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, steps, schedule))
     if mode == "bf16_eager":  # the same math with eager's kernels: how far rounding alone moves the curve
         fwd, be = model, None
@@ -216,6 +216,8 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["linear", "train"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
                     help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
     args = ap.parse_args()
@@ -236,8 +238,8 @@ def main():
     if "train" in args.parts:
         payload["train"] = {}
         for mode in args.train_modes:  # saved after each mode (a run cut short keeps what it has)
-            payload["train"][mode] = train(mode, args.steps, args.schedule)
-            payload["schedule"] = args.schedule
+            payload["train"][mode] = train(mode, args.steps, args.schedule, args.layers, args.lr)
+            payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr)
             save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
         base = tail(payload["train"]["bf16"])
