@@ -433,18 +433,27 @@ def _decide(gm, chain: Chain, desc, config, gid, needs_grad) -> tuple[Decision, 
                     f"Inductor's kernel; fused here, the output is written for it to read back{cut}", estimate), 0
     if roofline and not estimate.profitable:
         return _row(gid, desc, chain, "rejected", estimate.reason() + cut, estimate), 0
+    if roofline and _times(config, a.device):  # first, so that verification runs this epilogue's own tile
+        try:
+            estimate = cost.with_host_time(_timed(ep, chain, out_dtype, save, ctx), calls, ctx)
+        except Exception as e:  # noqa: BLE001  (no tile of the sweep compiles with this epilogue)
+            return _row(gid, desc, chain, "rejected", f"no tuned tile compiles with this epilogue: "
+                        f"{type(e).__name__}: {str(e)[:200]}{cut}", estimate), 0
+        if not estimate.profitable:
+            return _row(gid, desc, chain, "rejected", estimate.reason() + cut, estimate), 0
     if config.verify_kernels:
         failure = _verify(ep, chain, out_dtype, save, training, side_needs)
         if failure:
             return _row(gid, desc, chain, "rejected", failure + cut, estimate), 0
-    if roofline and config.gemm_timing and a.device.type == "cuda":
-        estimate = cost.with_host_time(_timed(ep, chain, out_dtype, save, ctx), calls, ctx)
-        if not estimate.profitable:
-            return _row(gid, desc, chain, "rejected", estimate.reason() + cut, estimate), 0
     _replace(gm, chain, ep, out_dtype, save)
     reason = estimate.reason() if roofline else f"cost model off (cost_model='always'); {estimate.reason()}"
     ops = ", ".join(op for op, _ in ep.steps) + (f", {ep.reduce}" if ep.reduce else "")
     return _row(gid, desc, chain, "applied", f"[{ops}] in the GEMM's epilogue; {reason}{cut}", estimate), 1
+
+
+def _times(config, device: torch.device) -> bool:
+    """Whether decisions on `device` time the kernels (FusionConfig.gemm_timing; CUDA only)."""
+    return config.gemm_timing and device.type == "cuda"
 
 
 def _replace(gm: fx.GraphModule, chain: Chain, ep: kernels.Epilogue, out_dtype, save: bool) -> None:

@@ -384,3 +384,34 @@ def test_small_gpu_saving_outside_cuda_graphs_stays_on_inductor():
         [d] = fc.explain(lambda x: torch.relu(m(x)) * 0.5, x).decisions
     assert d.verdict == "rejected" and "host time of 1 op call(s) 50 us" in d.reason
     assert 0 < d.time_saved_us + cost.PROFILES["h200"].op_host_s * 1e6 < 50  # the GPU alone would take it
+
+
+def test_the_epilogue_is_timed_before_its_kernel_is_verified(monkeypatch):
+    """Verification compiles the kernel at the tile `forward` will use, which is the epilogue's own only
+    once `tune` has timed it: before that, the shape's shared sweep (tuned with another epilogue) gives
+    the tile. On the H100 (stop 24) relu's persistent tile overflowed shared memory with GELU + residual's
+    residual tile, and the region was rejected although two of its ranked tiles compile. So the timed
+    decision comes first. Where no ranked tile compiles with the epilogue, the row says so and nothing
+    is verified."""
+    from fusion_compiler.patterns import gemm as family
+    calls = []
+    fast = cost.Estimate(1e-6, 1e-3, 0, 0, "inductor")
+    monkeypatch.setattr(family, "_times", lambda config, device: True)
+    monkeypatch.setattr(family.cost, "estimate_gemm_epilogue", lambda *a, **k: fast)
+    monkeypatch.setattr(family, "_timed", lambda *a, **k: calls.append("timed") or fast)
+    monkeypatch.setattr(family, "_verify", lambda *a, **k: calls.append("verify"))
+    monkeypatch.setattr(family, "_replace", lambda *a, **k: calls.append("replace"))
+    with torch.no_grad():
+        report = fc.explain(CHAINS["gelu_tanh_residual"], *_inputs())
+    assert calls == ["timed", "verify", "replace"]
+    assert [d.verdict for d in report.where(pattern="gemm_epilogue")] == ["applied"]
+
+    def no_tile(*a, **k):
+        raise RuntimeError("out of resource: shared memory")
+    calls.clear()
+    monkeypatch.setattr(family, "_timed", no_tile)
+    with torch.no_grad():
+        report = fc.explain(CHAINS["gelu_tanh_residual"], *_inputs())
+    [row] = report.where(pattern="gemm_epilogue")
+    assert row.verdict == "rejected" and "no tuned tile compiles with this epilogue: RuntimeError" in row.reason
+    assert calls == []
