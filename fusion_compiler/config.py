@@ -54,7 +54,7 @@ class FusionConfig:
         do not read p.grad after the step. Off by default (p.grad ends as eager leaves it).
     gemm_timing: on CUDA, time each GEMM + epilogue region's generated kernel (every tile config)
         against Inductor's compile of the same region once per shape, and fuse only where the
-        kernel is faster; the timings are kept on disk
+        kernel is at least 5% faster (cost.TIMED_MARGIN); the timings are kept on disk
         (codegen/tuning.py), so a shape is timed once per machine. Off: the roofline alone decides.
     fp8: None (off), or the FP8 recipe linears may be rewritten with (patterns/fp8.py, per GEMM by
         the cost model): "tensorwise" (per-tensor scales, e4m3 forward, e5m2 gradients), "rowwise"

@@ -19,6 +19,9 @@ from . import recompute
 from .canonical import val
 
 MARGIN = 0.02  # a rewrite must be estimated at least this much faster than its baseline
+# a decision from two timings made at compile time: how far they read from the same kernels timed in
+# the benchmark (stop 24, H100, 13 GEMM epilogues: Inductor's region 2-8% high, ours 0-4%)
+TIMED_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +204,11 @@ class Estimate:
 
     # set when a rewrite is taken for the memory it saves at a bounded time cost (prefer_memory)
     memory_trade: bool = False
+    margin: float = MARGIN  # how much faster ours must be estimated
 
     @property
     def profitable(self) -> bool:
-        return self.memory_trade or self.ours_s < self.baseline_s * (1.0 - MARGIN)
+        return self.memory_trade or self.ours_s < self.baseline_s * (1.0 - self.margin)
 
     @property
     def bytes_saved(self) -> int:
@@ -558,13 +562,15 @@ def timed_gemm_epilogue(ours_s: float, baseline_s: float, baseline: str, ours_by
                         backward_s: float, ctx: CostContext) -> Estimate:
     """Forward times measured on this device: ours (the generated kernel at its best tuned config)
     against the hand-off's (`baseline` names what was timed: patterns/gemm.py `_timed`); in training
-    both add the estimated backward, ours scaled by the measured DeviceProfile.gemm_backward."""
+    both add the estimated backward, ours scaled by the measured DeviceProfile.gemm_backward. Ours must
+    be TIMED_MARGIN faster: the spread of such compile-time timings."""
     p = ctx.profile
     note = f"timed on {p.name}: ours {ours_s * 1e6:.1f} us, {baseline} {baseline_s * 1e6:.1f} us (forward)"
     if ctx.training:
         ours_s, baseline_s = ours_s + backward_s * p.gemm_backward, baseline_s + backward_s
         note += f"; backward est. {backward_s * 1e6:.1f} us, ours x{p.gemm_backward:.2f}"
-    return Estimate(ours_s, baseline_s, ours_bytes, baseline_bytes, ctx.baseline, note)
+    note += f"; taken at {TIMED_MARGIN:.0%} faster or more (the timings' spread)"
+    return Estimate(ours_s, baseline_s, ours_bytes, baseline_bytes, ctx.baseline, note, margin=TIMED_MARGIN)
 
 
 def _wave_efficiency(m: int, n: int, sms: int, tile: int = 128) -> float:

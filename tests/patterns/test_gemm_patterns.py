@@ -257,11 +257,17 @@ def test_cost_model_keeps_large_gemms_on_cublas_and_fuses_memory_heavy_ones():
 
 
 def test_timed_estimate_never_keeps_a_slower_kernel():
+    """Nor one timed only a little faster at compile time: stop 24's H100 run took Mish at 91.4 against
+    Inductor's timed region at 95.4 us (4% faster), and the benchmark then measured 92.7 against 91.8
+    us. Timed decisions need TIMED_MARGIN (5%), the spread of those timings."""
     ctx = cost.CostContext(cost.PROFILES["h100"], "inductor", False)
     slower = cost.timed_gemm_epilogue(60e-6, 59e-6, "Inductor", 1 << 20, 3 << 20, 0.0, ctx)
+    barely = cost.timed_gemm_epilogue(91.4e-6, 95.4e-6, "Inductor", 1 << 20, 3 << 20, 0.0, ctx)
     faster = cost.timed_gemm_epilogue(45e-6, 60e-6, "Inductor", 1 << 20, 3 << 20, 0.0, ctx)
-    assert not slower.profitable and faster.profitable
-    assert "timed" in faster.reason()
+    assert not slower.profitable and not barely.profitable and faster.profitable
+    assert "timed" in faster.reason() and "taken at 5% faster or more" in barely.reason()
+    roofline = cost.Estimate(91.4e-6, 95.4e-6, 0, 0, "inductor")  # an estimate keeps the 2% margin
+    assert roofline.profitable and cost.with_host_time(barely, 2, ctx).margin == cost.TIMED_MARGIN
 
 
 def test_reduction_never_writes_the_product_in_inference():
