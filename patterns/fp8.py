@@ -13,6 +13,10 @@ the recipe's rounding in higher precision on any device), fp32/bf16/fp16 operand
 static sizes that are multiples of 16 (torch._scaled_mm's), bf16 for the rowwise recipes (their
 scaled GEMM returns bf16 only). Linears with a bias (addmm) are left alone.
 
+Per-row recipes cast a linear's input where it is made: a fusion RMSNorm or GLU writes its output's
+FP8 copy in the same kernel (their `_fp8` twins; the norm and GLU decisions credit the casts this
+saves, `with_cast_credit`), and an input several linears read is cast once for all of them.
+
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
 """
@@ -123,8 +127,8 @@ def _producer(src: fx.Node) -> fx.Node | None:
 def _readers(y: fx.Node, config) -> list:
     """(mm node, input, weight) of the bias-free linears that read y (or F.linear's 2-D view of it)
     and may run in FP8."""
-    found, sources = [], _cast_forms(y)
-    for src in sources:
+    found = []
+    for src in _cast_forms(y):
         for user in src.users:
             views = user.users if user.op == "call_function" and user.target in _VIEWS else {}
             for node in (user, *views):
@@ -176,9 +180,10 @@ def with_cast_credit(estimate: cost.Estimate, y: fx.Node, config, needs_grad: se
 
 def _cast_plans(taken: list, config) -> dict:
     """Per-row recipes: where each taken linear's input gets its FP8 copy. Keyed by the input's
-    source (the tensor before F.linear's view): ("fused", producer node, readers) when a fusion RMSNorm
-    or GLU produced it (`_producer`), ("shared", first reader's mm node, readers) when two or more linears read it, else
-    absent (the linear casts x itself). `taken` holds (mm node, input, weight) in graph order."""
+    source (the tensor before F.linear's view): ("fused", producer node, readers) when a fusion
+    RMSNorm or GLU produced it (`_producer`), ("shared", first reader's mm node, readers) when two or
+    more linears read it, else absent (the linear casts x itself). `taken` holds (mm node, input,
+    weight) in graph order."""
     if not (fp8_op.recipe(config.fp8).per_row and config.fp8_fuse_cast):
         return {}
     groups: dict = {}

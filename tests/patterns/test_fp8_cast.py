@@ -350,6 +350,7 @@ def test_a_packed_gate_up_projection_casts_for_the_down_projection():
             gate, up = self.gate_up(x).chunk(2, -1)
             return self.down(F.silu(gate) * up)
     torch.manual_seed(5)
-    fused, unfused = _with_and_without_fused_casts(Packed().to(torch.bfloat16), torch.randn(2, 24, 64, dtype=torch.bfloat16))
+    x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
+    fused, unfused = _with_and_without_fused_casts(Packed().to(torch.bfloat16), x)
     assert fused.count("fusion::glu_packed_fp8") == 1 and unfused.count("fusion::glu_packed") == 1
     assert fused.count("fusion::fp8_linear") == unfused.count("fusion::fp8_linear") == 2
