@@ -82,16 +82,6 @@ _ATTENTION_H200 = {
 # Until a kernel is measured on a card, ours and Inductor's are assumed equal, so the roofline keeps
 # the region on Inductor ("do no harm"); measured rows replace the assumption.
 # H200: benchmarks/runs/2026-12-03-h200-norm-elementwise-2.json (32768 tokens, bf16, GPU kernel time).
-# the H100 (stop 24, bench_norm_elementwise.py, 32768 rows, bf16; calibrate.py at 3.0 TB/s:
-# runs/2026-12-05-h100-norm-elementwise-*.json); the kernels not timed there fall back to the default
-_H100 = {
-    "rms_norm": ((2048, 0.967, 0.955, 0.925, 0.872), (4096, 0.979, 0.978, 0.957, 0.896),
-                 (8192, 0.983, 1.008, 0.949, 0.867)),
-    "add_rms_norm": ((2048, 0.98, 0.937, 0.962, 0.909), (4096, 0.981, 0.98, 0.981, 0.932),
-                     (8192, 0.985, 0.978, 0.983, 0.922)),
-    "glu": ((2048, 0.989, 1.013, 0.981, 1.008), (4096, 0.971, 1.017, 0.969, 1.011),
-            (8192, 0.977, 1.018, 0.969, 1.013)),
-}
 _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
     "rms_norm": ((2048, 0.931, 0.774, 0.893, 0.766), (4096, 0.946, 0.83, 0.92, 0.763),
                  (8192, 0.959, 0.996, 0.898, 0.762)),
@@ -108,6 +98,16 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
     # alone was not timed: the fwd+bwd figures stand for it
     "cross_entropy": ((32000, 0.53, 0.50, 0.53, 0.50), (128256, 0.49, 0.53, 0.49, 0.53),
                       (1 << 30, 0.50, 0.57, 0.50, 0.57)),
+}
+# H100 (stop 24, bench_norm_elementwise.py, 32768 rows, bf16; calibrate.py at 3.0 TB/s:
+# runs/2026-12-05-h100-norm-elementwise-*.json); the kernels not timed there fall back to the default
+_H100 = {
+    "rms_norm": ((2048, 0.967, 0.955, 0.925, 0.872), (4096, 0.979, 0.978, 0.957, 0.896),
+                 (8192, 0.983, 1.008, 0.949, 0.867)),
+    "add_rms_norm": ((2048, 0.98, 0.937, 0.962, 0.909), (4096, 0.981, 0.98, 0.981, 0.932),
+                     (8192, 0.985, 0.978, 0.983, 0.922)),
+    "glu": ((2048, 0.989, 1.013, 0.981, 1.008), (4096, 0.971, 1.017, 0.969, 1.011),
+            (8192, 0.977, 1.018, 0.969, 1.013)),
 }
 # LM head + loss fused and chunked, over matmul + Inductor's loss, fwd+bwd time at 4096 rows of hidden
 # 2048, bf16, by vocabulary (runs/2026-12-03-h200-loss-3.json): slower at large vocabularies (each

@@ -130,7 +130,7 @@ def _readers(y: fx.Node, config) -> list:
     found = []
     for src in _cast_forms(y):
         for user in src.users:
-            views = user.users if user.op == "call_function" and user.target in _VIEWS else {}
+            views = user.users if user.op == "call_function" and user.target in _VIEWS else ()
             for node in (user, *views):
                 parts = linear_operands(node) if node.op == "call_function" and node.target is aten.mm.default else None
                 if parts and _key(parts[0]) is src and \
