@@ -1,7 +1,8 @@
 """Tile configs of the generated GEMM + epilogue per epilogue (codegen/gemm.py): does an epilogue with
 transcendental math (erf, exp, tanh) or a reduction over N want another tile than relu's? Bias + each
 activation on the memory-heavy product (16384 x 1024 -> 1024, bf16, forward), every CONFIGS entry
-with each load mode (pointer, TMA, persistent TMA: gemm.load_modes); GPU ms per call (profiler kernel sum, the reduction's second stage
+with each load mode (pointer, TMA, persistent TMA, each TMA mode with the epilogue on column halves:
+gemm.load_modes); GPU ms per call (profiler kernel sum, the reduction's second stage
 included), cuBLAS's bare product for scale, and the kernels of the best logsumexp call.
 
     python benchmarks/tune_gemm_epilogue.py
@@ -37,7 +38,7 @@ def main(m=16384, k=1024, n=1024):
         lay = gemm.layout(x, w.t(), [bias], (m, n))
         timed = []
         for c in gemm.configs(2):
-            for loads in gemm.load_modes(lay):
+            for loads in gemm.load_modes(lay, reduce):
                 config = (*c, loads)
                 try:
                     ms = bench_gpu_ms(lambda: gemm.forward(ep, x, w.t(), [bias], (m, n), torch.bfloat16, False, config))

@@ -8,7 +8,7 @@ dim (sum, mean, amax, logsumexp). From it this module generates two Triton kerne
 
 forward   blocked, pipelined tl.dot GEMM (grouped tile order for L2 reuse; A and B read by pointers
           or TMA, optionally persistent: one program per SM over the tiles); then the steps on the
-          accumulator; store y (or, with a reduction, per-tile partials over N that a second, tiny
+          accumulator, whole or on its two column halves in turn (`HALVES`); store y (or, with a reduction, per-tile partials over N that a second, tiny
           stage combines); in training also store the product z when the backward needs it
 backward  per tile of the product: recompute the steps from z, take the upstream gradient (for a
           reduction: from the per-row gradient, e.g. g * exp(y - lse) for logsumexp), run the chain
@@ -195,11 +195,62 @@ _MAIN_LOOP["tma_bt"] = [line.replace("B.load([k * BLOCK_K, pid_n * BLOCK_N])", "
                         for line in _MAIN_LOOP["tma"]]
 # a TMA mode with this suffix launches one program per SM, each looping over tiles (`forward_source`)
 PERSISTENT = "_persistent"
+# and with this one (last) runs the epilogue on the tile's two column halves in turn: half the live
+# registers for transcendental math, half the shared memory to stage a TMA store (H100, stop 25: a
+# 128 x 256 persistent tile that stores its output does not fit whole)
+HALVES = "_halves"
+
+
+def _mode(loads: str) -> tuple[str, bool, bool]:
+    """(the K loop's mode, persistent, halves) of a loads string such as "tma_bt_persistent_halves"."""
+    halves = loads.endswith(HALVES)
+    loads = loads.removesuffix(HALVES)
+    return loads.removesuffix(PERSISTENT), loads.endswith(PERSISTENT), halves
+
+
+def _epilogue(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kinds: tuple, tma_store: bool,
+              acc: str = "acc", col: str = "pid_n * BLOCK_N", width: str = "BLOCK_N") -> list:
+    """The steps on the accumulator tile `acc` (columns col .. col + width) and the store of y, or of
+    the per-tile partials of the reduction."""
+    body = [
+        f"    rn = {col} + tl.arange(0, {width})",
+        "    mask_n = rn < N",
+        "    mask = mask_m[:, None] & mask_n[None, :]",
+    ] + ([  # the product rounded to its dtype first, as eager's (and Inductor's) matmul output is
+        f"    z = {_cast(acc, z_dtype)}.to(tl.float32)",
+    ] if z_dtype != torch.float32 else [f"    z = {acc}"]) + [
+        "    if STORE_Z:  # the product, for the backward (contiguous [batch, M, N])",
+        f"        tl.store(Z + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('z', z_dtype)}, mask=mask)",
+    ]
+    body += _side_loads(kinds, "    ")
+    body += _steps(ep, "    ")
+    y = ep.result()
+    partial = "(batch * M + rm) * grid_n + pid_n"
+    if not ep.reduce and tma_store:
+        body.append(f"    Y.store([pid_m * BLOCK_M, {col}], {_cast(y, y_dtype)})")
+    elif not ep.reduce:
+        body.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
+                     "mask=mask)")
+    elif ep.reduce in ("sum", "mean"):
+        body.append(f"    tl.store(P0 + {partial}, tl.sum(tl.where(mask, {y}, 0.0), 1), mask=mask_m)")
+    elif ep.reduce == "amax":
+        body.append(f"    tl.store(P0 + {partial}, tl.max(tl.where(mask, {y}, float('-inf')), 1), mask=mask_m)")
+    else:  # logsumexp: the tile's max and its sum of exp(y - max), combined over tiles by `_finish`
+        body += [f"    y = tl.where(mask, {y}, float('-inf'))",
+                  "    top = tl.max(y, 1)",
+                  "    safe = tl.where(top == float('-inf'), 0.0, top)",
+                  f"    tl.store(P0 + {partial}, top, mask=mask_m)",
+                  f"    tl.store(P1 + {partial}, tl.sum(tl.exp(y - safe[:, None]), 1), mask=mask_m)"]
+    return body
 
 
 def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kinds: tuple,
                    loads: str = "pointer", tma_store: bool = False) -> str:
-    """tma_store: Y is a TMA descriptor of the [M, N] output (clipped at the edges), not a pointer."""
+    """tma_store: Y is a TMA descriptor of the [M, N] output (clipped at the edges; its block one
+    column half of the tile under HALVES), not a pointer. A reduction takes no HALVES."""
+    mode, persistent, halves = _mode(loads)
+    if halves and ep.reduce:
+        raise ValueError("an epilogue that reduces over N runs on the whole tile (no HALVES)")
     ptrs, strides = _side_args(ep)
     lines = _header() + [
         "def gemm_epilogue_kernel(",
@@ -222,36 +273,15 @@ def forward_source(ep: Epilogue, y_dtype: torch.dtype, z_dtype: torch.dtype, kin
         "    pid_n = (pid % width) // group_m",
         "    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
-    ] + _MAIN_LOOP[loads.removesuffix(PERSISTENT)] + [
-        "    mask_m = rm < M",
-        "    mask_n = rn < N",
-        "    mask = mask_m[:, None] & mask_n[None, :]",
-    ] + ([  # the product rounded to its dtype first, as eager's (and Inductor's) matmul output is
-        f"    z = {_cast('acc', z_dtype)}.to(tl.float32)",
-    ] if z_dtype != torch.float32 else ["    z = acc"]) + [
-        "    if STORE_Z:  # the product, for the backward (contiguous [batch, M, N])",
-        f"        tl.store(Z + (batch * M + rm[:, None]) * N + rn[None, :], {_cast('z', z_dtype)}, mask=mask)",
-    ]
-    body += _side_loads(kinds, "    ")
-    body += _steps(ep, "    ")
-    y = ep.result()
-    partial = "(batch * M + rm) * grid_n + pid_n"
-    if not ep.reduce and tma_store:
-        body.append(f"    Y.store([pid_m * BLOCK_M, pid_n * BLOCK_N], {_cast(y, y_dtype)})")
-    elif not ep.reduce:
-        body.append(f"    tl.store(Y + batch * sy_b + rm[:, None] * sy_m + rn[None, :] * sy_n, {_cast(y, y_dtype)}, "
-                     "mask=mask)")
-    elif ep.reduce in ("sum", "mean"):
-        body.append(f"    tl.store(P0 + {partial}, tl.sum(tl.where(mask, {y}, 0.0), 1), mask=mask_m)")
-    elif ep.reduce == "amax":
-        body.append(f"    tl.store(P0 + {partial}, tl.max(tl.where(mask, {y}, float('-inf')), 1), mask=mask_m)")
-    else:  # logsumexp: the tile's max and its sum of exp(y - max), combined over tiles by `_finish`
-        body += [f"    y = tl.where(mask, {y}, float('-inf'))",
-                  "    top = tl.max(y, 1)",
-                  "    safe = tl.where(top == float('-inf'), 0.0, top)",
-                  f"    tl.store(P0 + {partial}, top, mask=mask_m)",
-                  f"    tl.store(P1 + {partial}, tl.sum(tl.exp(y - safe[:, None]), 1), mask=mask_m)"]
-    if loads.endswith(PERSISTENT):  # one program per SM loops over the tiles; the K loops of
+    ] + _MAIN_LOOP[mode] + ["    mask_m = rm < M"]
+    if halves:  # [BLOCK_M, BLOCK_N] -> its left and right [BLOCK_M, BLOCK_N // 2] halves
+        body.append("    acc_0, acc_1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))")
+        for h in (0, 1):
+            body += _epilogue(ep, y_dtype, z_dtype, kinds, tma_store, f"acc_{h}",
+                              f"pid_n * BLOCK_N + {h} * (BLOCK_N // 2)", "BLOCK_N // 2")
+    else:
+        body += _epilogue(ep, y_dtype, z_dtype, kinds, tma_store)
+    if persistent:  # one program per SM loops over the tiles; the K loops of
         # consecutive tiles flattened into one pipeline (the next tile's loads overlap this epilogue)
         lines.append("    for pid in tl.range(tl.program_id(0), grid_m * grid_n, tl.num_programs(0), flatten=True):")
         lines += ["    " + line for line in body]
@@ -464,10 +494,14 @@ def tma_loads(lay: Layout) -> str | None:
     return "tma" if rows_ok(b2) else "tma_bt" if rows_ok(b2.t()) else None
 
 
-def load_modes(lay: Layout) -> tuple:
-    """The ways the K loop may read this product's operands (what the tile sweep times)."""
+def load_modes(lay: Layout, reduce: str = "") -> tuple:
+    """The ways the K loop may read this product's operands, and the epilogue take its tile (what the
+    tile sweep times); an epilogue that reduces over N takes the whole tile."""
     tma = tma_loads(lay)
-    return ("pointer", tma, tma + PERSISTENT) if tma else ("pointer",)
+    if not tma:
+        return ("pointer",)
+    whole = ("pointer", tma, tma + PERSISTENT)
+    return whole if reduce else whole + (tma + HALVES, tma + PERSISTENT + HALVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,19 +524,21 @@ def _plan(ep: Epilogue, lay: Layout, out_dtype, save_product: bool, config) -> _
     plan = _PLANS.get(key)
     if plan is None:
         config = config or tuning.lookup(tuning_key(ep, lay, save_product)) or \
-            tuning.lookup(tuning_key(None, lay, save_product)) or default_config(lay, lay.a.element_size())
+            tuning.lookup(tuning_key(ep, lay, save_product, sweep=True)) or default_config(lay, lay.a.element_size())
         loads = config[6] if len(config) > 6 else "tma" if tma else "pointer"
         if loads != "pointer":  # a tuned TMA config on operands that do not allow it reads by pointers
-            loads = tma + (PERSISTENT if loads.endswith(PERSISTENT) else "") if tma else "pointer"
+            _, persistent, halves = _mode(loads)
+            loads = tma + (PERSISTENT if persistent else "") + (HALVES if halves and not ep.reduce else "") \
+                if tma else "pointer"
         config = (*config[:6], loads)
         kinds = side_kinds(lay.sides)
         # persistent: the output tile leaves by TMA too (asynchronously; rows of 16-byte multiples)
-        tma_store = loads.endswith(PERSISTENT) and not ep.reduce and (lay.n * out_dtype.itemsize) % 16 == 0
+        tma_store = _mode(loads)[1] and not ep.reduce and (lay.n * out_dtype.itemsize) % 16 == 0
         kernel = _kernel(("fwd", ep, out_dtype, lay.a.dtype, kinds, loads, tma_store),
                          lambda: forward_source(ep, out_dtype, lay.a.dtype, kinds, loads, tma_store),
                          "gemm_epilogue_kernel")
         grid = (cdiv(lay.m, config[0]) * cdiv(lay.n, config[1]), lay.batch)
-        if loads.endswith(PERSISTENT):
+        if _mode(loads)[1]:
             grid = (min(grid[0], sm_count(lay.a.device)), 1)
         plan = _PLANS[key] = _Plan(config, kernel, grid, tma_store)
     return plan
@@ -538,7 +574,7 @@ def forward(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save
         side_strides = [s for v in lay.sides for s in v.stride()]
         y_strides = y3.stride() if not ep.reduce else (0, 0, 0)
         a_in, b_in = _operands(lay, loads, bm, bn, bk)
-        y_in = TensorDescriptor.from_tensor(y3[0], [bm, bn]) if plan.tma_store else y3
+        y_in = TensorDescriptor.from_tensor(y3[0], [bm, bn // 2 if _mode(loads)[2] else bn]) if plan.tma_store else y3
         plan.kernel[plan.grid](a_in, b_in, y_in, z3, p0, p1, *lay.sides, lay.m, lay.n, lay.k,
                                *lay.a.stride(), *lay.b.stride(), *y_strides, *side_strides,
                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, STORE_Z=save_product,
@@ -677,11 +713,12 @@ def backward(ep: Epilogue, grad, product, out, sides: list, shape, side_needs: l
     return dz.view(shape), grads
 
 
-def tuning_key(ep: Epilogue | None, lay: Layout, save_product: bool) -> str:
-    """The cache key of a shape (ep None: the tile sweep, shared by every epilogue on that product)
-    or of one epilogue on it (its own time at the shape's config)."""
+def tuning_key(ep: Epilogue, lay: Layout, save_product: bool, sweep: bool = False) -> str:
+    """The cache key of one epilogue on a shape (its own time at its config) or, with `sweep`, of the
+    shape's tile sweep: shared by every epilogue on that product that writes its [M, N] output, and
+    apart for those that reduce over N (no output tile to stage: other tiles fit)."""
     device = torch.cuda.get_device_name(lay.a.device) if lay.a.device.type == "cuda" else lay.a.device.type
-    what = ep.text() if ep is not None else "sweep"
+    what = ("sweep-reduce" if ep.reduce else "sweep") if sweep else ep.text()
     return (f"{device}|{what}|{lay.a.dtype}|{lay.batch}x{lay.m}x{lay.n}x{lay.k}|a{lay.a.stride()}|b{lay.b.stride()}"
             f"|z{int(save_product)}")
 
@@ -697,20 +734,21 @@ def _bench(fn) -> float:
 
 def tune(ep: Epilogue, a, b, sides: list, shape, out_dtype: torch.dtype, save_product: bool) -> dict:
     """Time the product's tile configs once per shape (CUDA only; the sweep runs with this first
-    epilogue and is shared), then this epilogue at the sweep's RETIME fastest configs, and cuBLAS on
+    epilogue and is shared, one for the epilogues that write the output, one for those that reduce
+    over N), then this epilogue at the sweep's RETIME fastest configs, and cuBLAS on
     the bare product. An epilogue with transcendental math can want another tile than relu's (stop 22,
     16384 x 1024 -> 1024 bf16: tanh-GELU 0.0736 ms at relu's best tile, 0.0689 at the second).
     Returns the stored entry of the epilogue: {"config", "ms", "cublas_ms"}; `forward` launches with
     its config from then on."""
     lay = layout(a, b, sides, shape)
-    key, sweep_key = tuning_key(ep, lay, save_product), tuning_key(None, lay, save_product)
+    key, sweep_key = tuning_key(ep, lay, save_product), tuning_key(ep, lay, save_product, sweep=True)
     known = tuning.entry(key)
     if known is not None:
         return known
     sweep = tuning.entry(sweep_key)
     if sweep is None:
         timed = []
-        for config in [(*c, loads) for c in configs(a.element_size()) for loads in load_modes(lay)]:
+        for config in [(*c, loads) for c in configs(a.element_size()) for loads in load_modes(lay, ep.reduce)]:
             try:
                 timed.append((_bench(lambda: forward(ep, a, b, sides, shape, out_dtype, save_product, config)),
                               config))

@@ -284,14 +284,16 @@ def test_tuning_retimes_each_epilogue_at_the_sweeps_fastest_configs(tmp_path, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loads", ["pointer", "tma", "tma_bt", "tma_persistent", "tma_bt_persistent"])
+@pytest.mark.parametrize("loads", ["pointer", "tma", "tma_bt", "tma_persistent", "tma_bt_persistent",
+                                   "tma_bt_halves", "tma_persistent_halves"])
 def test_main_loop_by_pointers_or_tma(loads, dtype):
     """The K loop reads A and B by pointers or by TMA descriptors (B as stored or transposed, as
     F.linear's weight); rows of 16-byte multiples, sizes off the 32-tile (zero-filled edges). The
-    persistent modes run one program here (one SM under the interpreter) over all four tiles."""
+    persistent modes run one program here (one SM under the interpreter) over all four tiles; the
+    halves modes run the epilogue on each tile's two column halves (the right one past N at the edge)."""
     x = torch.randn(45, 40, dtype=dtype)
     w = (torch.randn(56, 40) / 40 ** 0.5).to(dtype)  # rows of 16-byte multiples, off the 32-tile
-    mode = loads.removesuffix(gemm.PERSISTENT)
+    mode = loads.removesuffix(gemm.HALVES).removesuffix(gemm.PERSISTENT)
     b = w.t() if mode != "tma" else w.t().contiguous()  # [K, N]: a strided view of [N, K], or stored
     lay = gemm.layout(x, b, [], (45, 56))
     assert gemm.tma_loads(lay) == ("tma_bt" if mode == "tma_bt" else "tma") or loads == "pointer"
@@ -303,19 +305,41 @@ def test_main_loop_by_pointers_or_tma(loads, dtype):
     assert_close(y, F.gelu(ref), dtype, "gelu")
 
 
-@pytest.mark.parametrize("reduce", ["", "logsumexp"])
-def test_persistent_tiles_read_their_own_sides_and_partials(reduce):
+@pytest.mark.parametrize("reduce,loads", [("", "tma_bt_persistent"), ("logsumexp", "tma_bt_persistent"),
+                                          ("", "tma_bt_persistent_halves")])
+def test_persistent_tiles_read_their_own_sides_and_partials(reduce, loads):
     """One program walks every tile in turn: the bias row, the residual tile and the reduction's
-    per-tile partials must follow the tile, not the program."""
+    per-tile partials must follow the tile (and under HALVES the column half), not the program; the
+    product saved for the backward too."""
     x, w = torch.randn(70, 48), torch.randn(72, 48) / 48 ** 0.5
     bias, res = torch.randn(72), torch.randn(70, 72)
     ep = gemm.Epilogue(2, (("add", (Z, s(0))), ("tanh", (V0,)), ("add", (V1, s(1)))), reduce)
-    y, _ = gemm.forward(ep, x, w.t(), [bias, res], (70, 72), torch.float32, False,
-                        config=(32, 32, 16, 2, 1, 4, "tma_bt_persistent"))
-    ref = torch.tanh(x.double() @ w.t().double() + bias.double()) + res.double()
+    y, z = gemm.forward(ep, x, w.t(), [bias, res], (70, 72), torch.float32, True,
+                        config=(32, 32, 16, 2, 1, 4, loads))
+    product = x.double() @ w.t().double()
+    ref = torch.tanh(product + bias.double()) + res.double()
     if reduce:
         ref = torch.logsumexp(ref, -1)
     assert_close(y, ref, torch.float32, reduce or "tiles")
+    assert_close(z, product, torch.float32, "saved product")
+
+
+def test_reductions_take_the_whole_tile():
+    """A reduction over N combines per-tile partials: it neither runs on column halves (a tuned
+    HALVES config from elsewhere is read as the whole tile) nor shares the writing epilogues' sweep."""
+    x, w = torch.randn(40, 32), torch.randn(48, 32)
+    amax = gemm.Epilogue(0, (("relu", (Z,)),), "amax")
+    with pytest.raises(ValueError, match="whole tile"):
+        gemm.forward_source(amax, torch.float32, torch.float32, (), "tma_bt_persistent_halves")
+    y, _ = gemm.forward(amax, x, w.t(), [], (40, 48), torch.float32, False,
+                        config=(32, 32, 16, 2, 1, 4, "tma_bt_persistent_halves"))
+    assert_close(y, torch.relu(x.double() @ w.t().double()).amax(-1), torch.float32, "amax")
+    lay = gemm.layout(x, w.t(), [], (40, 48))
+    assert not any(m.endswith(gemm.HALVES) for m in gemm.load_modes(lay, "amax"))
+    assert "tma_bt_persistent_halves" in gemm.load_modes(lay)
+    relu = gemm.Epilogue(0, (("relu", (Z,)),))
+    keys = {gemm.tuning_key(e, lay, False, sweep=True) for e in (amax, relu, gemm.Epilogue(0, (("gelu", (Z,)),)))}
+    assert len(keys) == 2
 
 
 def test_unaligned_rows_fall_back_to_pointers():
