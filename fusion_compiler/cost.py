@@ -99,7 +99,7 @@ _H200 = {  # "ours" = our op inside Inductor's graph (the fusion(backend) rows)
     "cross_entropy": ((32000, 0.53, 0.50, 0.53, 0.50), (128256, 0.49, 0.53, 0.49, 0.53),
                       (1 << 30, 0.50, 0.57, 0.50, 0.57)),
 }
-# H100 (stop 24, bench_norm_elementwise.py, 32768 rows, bf16; calibrate.py at 3.0 TB/s:
+# H100 (stops 24 and 25, bench_norm_elementwise.py, 32768 rows, bf16; calibrate.py at 3.0 TB/s:
 # runs/2026-12-05-h100-norm-elementwise-*.json); the kernels not timed there fall back to the default
 _H100 = {
     "rms_norm": ((2048, 0.967, 0.955, 0.925, 0.872), (4096, 0.979, 0.978, 0.957, 0.896),
@@ -108,6 +108,11 @@ _H100 = {
                      (8192, 0.985, 0.978, 0.983, 0.922)),
     "glu": ((2048, 0.989, 1.013, 0.981, 1.008), (4096, 0.971, 1.017, 0.969, 1.011),
             (8192, 0.977, 1.018, 0.969, 1.013)),
+    "layer_norm": ((2048, 0.98, 0.784, 0.88, 0.754), (4096, 0.995, 0.831, 0.955, 0.78),
+                   (8192, 0.998, 1.008, 0.975, 0.817)),
+    "rope": ((1 << 30, 0.903, 0.948, 0.46, 0.472),),
+    "glu_packed": ((2048, 0.984, 1.031, 0.984, 0.903), (4096, 0.977, 1.018, 0.971, 0.915),
+                   (8192, 0.969, 1.021, 0.968, 0.915)),
 }
 # LM head + loss fused and chunked, over matmul + Inductor's loss, fwd+bwd time at 4096 rows of hidden
 # 2048, bf16, by vocabulary (runs/2026-12-03-h200-loss-3.json): slower at large vocabularies (each
