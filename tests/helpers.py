@@ -2,7 +2,8 @@
 
 Tolerances on ||out - ref|| / ||ref|| against a float64 reference (DESIGN.md, "Numerics"):
 fp32 1e-5 (fp32 arithmetic, reductions reordered); fp16 2e-3 (one rounding of the output, ~5e-4,
-plus input rounding); bf16 1.5e-2 (8-bit mantissa, and the interpreter's casts truncate).
+plus input rounding); bf16 1.5e-2 (8-bit mantissa: each cast rounds by up to 2^-9, and a kernel
+rounds its inputs, intermediates saved for the backward and its output).
 """
 import torch
 

@@ -2,7 +2,7 @@
 the output and the gradients of x, the routing weights and every stored expert weight.
 
 Shapes are not multiples of any tile (13 tokens, width 24, expert width 20); routing leaves an expert
-without tokens. Tolerances: tests/helpers.py (fp32 1e-5; bf16 1.5e-2: the interpreter truncates casts).
+without tokens. Tolerances: tests/helpers.py (fp32 1e-5, bf16 1.5e-2).
 """
 import pytest
 import torch

@@ -106,9 +106,9 @@ def test_llama_by_name_with_inductor_and_the_roofline():
 
 def test_bf16_llama_step_is_as_close_to_float64_as_eager_bf16():
     """bf16 training: what matters is the distance to the exact (float64) answer, compared with eager
-    bf16's own distance. Ours may be up to 3x further (+1e-3): the Triton interpreter truncates on
-    every cast to bf16 where a GPU rounds to nearest, roughly doubling the rounding error (measured:
-    worst parameter 1.7e-2 vs eager's 9.2e-3, on the q/k projections, through RoPE and attention)."""
+    bf16's own distance. Ours may be up to 1.5x further (+1e-3): our kernels round at other points
+    than eager's ops (measured, with the interpreter rounding like the GPU: worst parameter 1.2x,
+    the first RMSNorm's weight, 7.4e-3 vs eager's 6.2e-3)."""
     torch.manual_seed(0)
     exact = LlamaForCausalLM(LlamaConfig(**SMALL, attn_implementation="eager")).double()
     eager, ours = (LlamaForCausalLM(LlamaConfig(**SMALL, attn_implementation="eager")).to(torch.bfloat16)
@@ -122,9 +122,9 @@ def test_bf16_llama_step_is_as_close_to_float64_as_eager_bf16():
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
-    assert abs(losses[2] - losses[0]) <= 3 * abs(losses[1] - losses[0]) + 1e-3 * abs(losses[0])
+    assert abs(losses[2] - losses[0]) <= 1.5 * abs(losses[1] - losses[0]) + 1e-3 * abs(losses[0])
     for (n, p), e, x in zip(ours.named_parameters(), eager.parameters(), exact.parameters()):
-        assert rel_err(p.grad, x.grad) <= 3 * rel_err(e.grad, x.grad) + 1e-3, n
+        assert rel_err(p.grad, x.grad) <= 1.5 * rel_err(e.grad, x.grad) + 1e-3, n
     # norms, RoPE, SwiGLU, attention, loss, and per layer the q/k/v and gate/up horizontal GEMMs
     assert fc.Report(be.log.decisions).summary()["applied"] == 14 + 2 * LAYERS
 
