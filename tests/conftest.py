@@ -15,7 +15,7 @@ from tests.interpreter import round_bf16_like_gpu  # noqa: E402
 
 round_bf16_like_gpu()
 
-# Fresh random inputs on every run, reproducible: FUSION_TEST_SEED=<the seed in the header> repeats one.
+# Fresh random inputs on every run, reproducible: FUSION_TEST_SEED=<the seed printed last> repeats one.
 RUN_SEED = int(os.environ.get("FUSION_TEST_SEED", random.randrange(2**31)))
 
 
