@@ -126,7 +126,7 @@ def sweep(cfg: dict) -> dict:
     return found
 
 
-def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grouped_mm") -> list[dict]:
+def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_mm") -> list[dict]:
     rows = []
     for name in names:
         cfg = CONFIGS[name]
@@ -167,7 +167,7 @@ def run(names, loop: bool, impls, breakdown: bool = False, spelling: str = "grou
                 row.update(gpu_ms=round(ms, 3), wall_ms=round(bench_ms(step, warmup=5, rep=30), 3),
                            peak_gib=round(peak, 2), tflops=round(flops(cfg) / ms / 1e9, 1))
                 if breakdown and label != "hf_loop":
-                    row["kernels"] = kernels_ms(step)
+                    row["kernels"] = kernels_ms(step, top=breakdown)
             except Exception as err:  # noqa: BLE001  (a row that fails says why; the others still run)
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             if be is not None:
@@ -186,7 +186,8 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["auto", "triton", "grouped_mm"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--loop", action="store_true")
-    ap.add_argument("--breakdown", action="store_true", help="the 10 most expensive kernels of each row")
+    ap.add_argument("--breakdown", type=int, nargs="?", const=10, default=0,
+                    help="list the N (default 10) most expensive kernels of each row")
     ap.add_argument("--spellings", nargs="+", default=["grouped_mm"],
                     help="grouped_mm (HF's default), titan_before / titan_after (torchtitan's, scores before or "
                          "after), dense (every expert on every token, top-k gates), loop4x (transformers 4.x)")

@@ -53,11 +53,21 @@ class Routing:
 def route(index: torch.Tensor, weight: torch.Tensor, experts: int) -> Routing:
     """Sort the (token, slot) pairs by expert. Indices outside [0, experts) fall outside every
     expert's range and contribute nothing (as expert-parallel sentinels do in HF)."""
-    flat = index.reshape(-1)
+    flat = _sort_key(index.reshape(-1), experts)
     sorted_experts, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(experts + 1, device=flat.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, bounds).to(torch.int32)
     return rebuild(perm.to(torch.int32), offsets, weight)
+
+
+def _sort_key(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """The expert ids in the narrowest integer type that holds -1 .. experts: torch's radix sort makes
+    one pass per byte of the key (8 for the int64 ids topk returns, 1 for int8). Ids outside
+    [0, experts) become -1 or `experts`: still outside every expert's range, in the same order."""
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if experts < torch.iinfo(dtype).max:
+            return flat.clamp(-1, experts).to(dtype)
+    return flat
 
 
 def rebuild(perm: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> Routing:

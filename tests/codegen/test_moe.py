@@ -166,6 +166,22 @@ def test_route_sorts_by_expert_without_host_sync():
     assert busy == [(0, 0, 2), (1, 2, 3), (2, 3, 5), (3, 5, 6)]
 
 
+@pytest.mark.parametrize("experts", [4, 200, 40000])
+def test_route_on_a_narrow_key_keeps_the_int64_order(experts):
+    """The sort runs on int8 / int16 / int32 ids; sentinels far outside [0, E) (which would wrap in a
+    narrow type unclamped) stay outside every expert's range and the order stays stable."""
+    index = torch.randint(0, experts, (37, 3))
+    index[::5, 0] = 2**32 + 1  # id 1 in int8, int16 and int32 if cast unclamped
+    index[1::7, 2] = -1
+    r = kernels.route(index, torch.rand(37, 3), experts)
+    flat = index.reshape(-1)
+    expected = torch.sort(flat, stable=True).indices
+    inside = (flat[expected] >= 0) & (flat[expected] < experts)
+    kept = r.perm.long()[r.offsets[0]:r.offsets[-1]]
+    assert kept.tolist() == expected[inside].tolist()
+    assert r.offsets.tolist() == [int((flat < e).sum()) for e in range(experts + 1)]
+
+
 def test_bad_operands_raise_clear_errors():
     x, (index, weight) = torch.randn(5, 24), routing(5, 3, 2)
     w13, wd = torch.randn(3, 40, 24), torch.randn(3, 24, 20)
