@@ -141,6 +141,9 @@ _MOE_H200 = (0.47, 0.83, {"grouped_mm": 1.7, "batched_mm": 1.7, "torchtitan": 1.
 # benchmarks/runs/2026-12-03-h200-horizontal-1.json: one LlamaDecoderLayer (2048, 32/8 heads, ffn 8192,
 # 2 x 2048 tokens, bf16): Inductor 0.827 / 2.817 ms, concatenated 0.870 / 2.857 ms: slower
 _HORIZONTAL_H200 = (1.052, 1.014)
+# the same on the H100 (benchmarks/runs/2026-12-05-h100-horizontal.json): Inductor 0.881 / 2.959 ms,
+# concatenated 0.937 / 3.015 ms
+_HORIZONTAL_H100 = (1.064, 1.019)
 # torch._scaled_mm e4m3 at 8192^3: H100 1276 TFLOP/s (../shared/anchors/), H200 1483
 # (runs/2026-12-03-h200-fp8-1.json). Overhead: on the reference Llama step (runs/2026-12-03-h200-llama-
 # step-fp8.json) the 12 MLP linears in FP8 were estimated 1.0 ms faster and measured 2.3 ms slower:
@@ -162,7 +165,7 @@ PROFILES = {
     "h100": DeviceProfile("h100", 3.0e12, 4e-6, _H100, matmul_flops=737e12, attention=_ATTENTION_H200,
                           multi_tensor=_MULTI_TENSOR_H200, clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200,
                           gemm_backward=_GEMM_BACKWARD_H200, moe=_MOE_H200,
-                          horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD,
+                          horizontal=_HORIZONTAL_H100, fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD,
                           op_host_s=_OP_HOST),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
