@@ -54,8 +54,8 @@ def routing(tokens: int, experts: int, top_k: int, empty_expert: bool = True):
 
 
 def check(layout, act, impl, dtype, tokens=13, width=24, ffn=20, experts=5, top_k=2, index=None, weight=None,
-          scale_input=False):
-    x = torch.randn(tokens, width, dtype=dtype)
+          scale_input=False, column_major=False):
+    x = torch.randn(width, tokens, dtype=dtype).t() if column_major else torch.randn(tokens, width, dtype=dtype)
     if index is None:
         index, weight = routing(tokens, experts, top_k)
     ws = stored(layout, experts, width, ffn, dtype)
@@ -143,6 +143,14 @@ def test_routing_weights_on_the_input_need_the_grouped_mm_path():
     w13, wd = torch.randn(3, 40, 24), torch.randn(3, 24, 20)
     with pytest.raises(ValueError, match="grouped_mm path only"):
         torch.ops.fusion.moe_experts(x, index, weight, [w13, wd], "gate_up_interleaved", "silu", "grouped_mm", True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
+def test_column_major_input(impl):
+    """A transposed activation (x's rows not unit-stride) is read through its strides or copied first."""
+    x_t, ws = torch.randn(24, 16).t(), stored("gate_up", 5, 24, 20, torch.float32)
+    assert op.resolve_impl(impl, x_t, "gate_up", ws) == impl  # 16 tokens: x's row stride 16-byte aligned
+    check("gate_up", "silu", impl, torch.float32, tokens=16, width=24, column_major=True)
 
 
 def test_no_gradient_work_for_frozen_inputs():
