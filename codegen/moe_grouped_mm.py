@@ -1,11 +1,12 @@
 """The same experts computation as codegen/moe.py on `torch._grouped_mm` (CUTLASS on Hopper), the other
-side of the shape-dependent choice: CUTLASS runs the GEMMs, the glue around them is one pass each:
-the token rows are gathered (a copy), the activation runs in codegen/glu.py, and `combine` reads each
-token's k rows through the inverse permutation and sums them, weighted, in fp32.
+side of the shape-dependent choice: CUTLASS runs the GEMMs, the glue around them is one pass each,
+token-major: a program takes a block of tokens, reads each token's row once and visits its k sorted
+rows through the inverse permutation (`row(t, j)`), which a gather through `token` would read k times.
 
-Forward:  xs = x[token]; a1 = gmm(xs, w_gate_up); h = act(gate) * up; y = gmm(h, w_down);
-          out[t] = sum_j weight[t, j] * y[row(t, j)]                               (`combine`)
-Backward: dy = weight * dout[token] and d weight = <dout[token], y> in one pass (`_scatter_grad_kernel`);
+Forward:  xs[row(t, j)] = x[t] (`_spread_kernel`); a1 = gmm(xs, w_gate_up); h = act(gate) * up (codegen/
+          glu.py); y = gmm(h, w_down); out[t] = sum_j weight[t, j] * y[row(t, j)] in fp32 (`combine`)
+Backward: dy[row(t, j)] = weight[t, j] * dout[t] and d weight[t, j] = <dout[t], y[row(t, j)]> in one pass
+          (`_spread_grad_kernel`);
           dh = gmm(dy, w_down^T); d a1 from the activation; dx = `combine` of gmm(d a1, w_gate_up^T);
           dW_gate_up = gmm(d a1^T, xs) (xs saved by the forward), dW_down = gmm(dy^T, h)
 `gmm` is grouped over the experts' row ranges (`Routing.offsets`); weight gradients group over K.
@@ -84,24 +85,48 @@ def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
 
 @fast_launch
 @triton.jit
-def _scatter_grad_kernel(DOUT, TOKEN, WEIGHT, Y, END, DY, DW, n_rows, D, sdo, sy, sdy,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per sorted row s (token t): DY[s] = weight[s] * DOUT[t] and DW[s] = <DOUT[t], Y[s]> (fp32);
-    both 0 for rows at or past END."""
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    ok = (rows < n_rows) & (rows < tl.load(END))
-    token = tl.load(TOKEN + rows, mask=ok, other=0)
-    weight = tl.load(WEIGHT + rows, mask=ok, other=0.0)
-    dot = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        mask = ok[:, None] & (cols < D)[None, :]
-        g = tl.load(DOUT + token[:, None].to(tl.int64) * sdo + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(Y + rows[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dot += tl.sum(g * y, 1)
-        tl.store(DY + rows[:, None].to(tl.int64) * sdy + cols[None, :], (g * weight[:, None]).to(DY.dtype.element_ty),
-                 mask=(rows < n_rows)[:, None] & (cols < D)[None, :])
-    tl.store(DW + rows, dot, mask=rows < n_rows)
+def _spread_kernel(X, ROW, W, OUT, n_tokens, D, sx, sx_d, so,
+                   TOP_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[ROW[t * k + j]] = X[t] (times W[t * k + j], rounded from fp32, when SCALED) for every slot j."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_mask = tokens < n_tokens
+    mask = t_mask[:, None] & (cols < D)[None, :]
+    x = tl.load(X + tokens[:, None].to(tl.int64) * sx + cols[None, :] * sx_d, mask=mask, other=0.0)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
+        if SCALED:
+            scale = tl.load(W + tokens * TOP_K + j, mask=t_mask, other=0.0)
+            value = (x.to(tl.float32) * scale[:, None]).to(OUT.dtype.element_ty)
+        else:
+            value = x
+        tl.store(OUT + row[:, None].to(tl.int64) * so + cols[None, :], value, mask=mask)
+
+
+@fast_launch
+@triton.jit
+def _spread_grad_kernel(DOUT, ROW, W, Y, END, DY, DW, n_tokens, D, sdo, sy, sdy,
+                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per token t and slot j, row s = ROW[t * k + j]: DY[s] = W[t * k + j] * DOUT[t] and
+    DW[t * k + j] = <DOUT[t], Y[s]> (fp32); both 0 where s is at or past END (no expert's row). The
+    token's DOUT row is read again for each slot by the same program: from cache."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tokens < n_tokens
+    end = tl.load(END)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
+        ok = t_mask & (row < end)
+        weight = tl.load(W + tokens * TOP_K + j, mask=ok, other=0.0)
+        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = ok[:, None] & (cols < D)[None, :]
+            g = tl.load(DOUT + tokens[:, None].to(tl.int64) * sdo + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dot += tl.sum(g * y, 1)
+            tl.store(DY + row[:, None].to(tl.int64) * sdy + cols[None, :], (g * weight[:, None]).to(DY.dtype.element_ty),
+                     mask=t_mask[:, None] & (cols < D)[None, :])
+        tl.store(DW + tokens * TOP_K + j, dot, mask=t_mask)
 
 
 def _tile(n: int) -> tuple[int, int]:
@@ -131,11 +156,17 @@ def _inverse(routing: Routing) -> torch.Tensor:
     return inverse
 
 
-def _rows(x, routing: Routing, scale_input: bool) -> torch.Tensor:
-    """The token rows in expert order (a gathered copy), times the routing weight when the weight
-    scales the experts' input (torchtitan's score-before-experts)."""
-    rows = x[routing.token.long()]
-    return (rows.float() * routing.weight[:, None]).to(x.dtype) if scale_input else rows
+def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torch.Tensor:
+    """The token rows in expert order (a copy), times the routing weight when the weight scales the
+    experts' input (torchtitan's score-before-experts)."""
+    tokens, width = x.shape
+    rows = alloc((routing.perm.numel(), width), x.dtype, x.device)
+    block_t, block_d = _tile(width)
+    if tokens and width:
+        _spread_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
+            x, inverse, routing.slot_weight, rows, tokens, width, x.stride(0), x.stride(1), rows.stride(0),
+            TOP_K=routing.top_k, SCALED=scale_input, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return rows
 
 
 def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
@@ -144,13 +175,14 @@ def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale
     token rows (the up weights' gradient reads them: saved rather than gathered again). `ups`: the
     first projection's weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
     ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
-    rows = _rows(x, routing, scale_input)
+    inverse = _inverse(routing)
+    rows = _rows(x, routing, inverse, scale_input)
     parts = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
     a1 = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
     ffn = w_down.shape[-1]
     h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act) if gated else _ACT[act](a1)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    out = combine(y, routing, _inverse(routing), x.shape[0], not scale_input, x.dtype)
+    out = combine(y, routing, inverse, x.shape[0], not scale_input, x.dtype)
     return out, a1, h, (x.new_empty(0) if scale_input else y), rows
 
 
@@ -161,18 +193,18 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, g
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
     ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
     rows, width = routing.perm.numel(), x.shape[1]
-    dout = dout.contiguous()
-    valid = (torch.arange(rows, device=x.device) < routing.offsets[-1])
+    dout, inverse = dout.contiguous(), _inverse(routing)
     if scale_input:
         dy, dw_rows = dout[routing.token.long()], None
-    else:
+    else:  # d weight comes out in slot order (t * k + j)
         dy = alloc((rows, width), x.dtype, x.device)
-        dw_rows = alloc((rows,), torch.float32, x.device)
-        block_s, block_d = _tile(width)
-        if rows and width:
-            _scatter_grad_kernel[(cdiv(rows, block_s),)](
-                dout, routing.token, routing.weight, y, routing.offsets[-1:], dy, dw_rows, rows, width,
-                dout.stride(0), y.stride(0), dy.stride(0), BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+        dw_slots = alloc((rows,), torch.float32, x.device)
+        block_t, block_d = _tile(width)
+        if tokens:
+            _spread_grad_kernel[(cdiv(tokens, block_t),)](
+                dout, inverse, routing.slot_weight, y, routing.offsets[-1:], dy, dw_slots, tokens, width,
+                dout.stride(0), y.stride(0), dy.stride(0), TOP_K=routing.top_k, BLOCK_T=block_t, BLOCK_D=block_d,
+                num_warps=4)
     dh = grouped_mm(dy, w_down, offs=ends)
     if gated:
         da1 = torch.empty_like(a1)
@@ -188,14 +220,17 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, g
         if scale_input:  # d weight = <d rows, x[token]>
             dw_rows = (d_rows.float() * x[routing.token.long()].float()).sum(1)
         if needs[0]:
-            dx = combine(d_rows, routing, _inverse(routing), tokens, scale_input, x.dtype)
-    if needs[1]:
+            dx = combine(d_rows, routing, inverse, tokens, scale_input, x.dtype)
+    if needs[1] and scale_input:
+        valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
         flat = torch.empty(rows, dtype=torch.float32, device=x.device)
         flat[routing.perm.long()] = torch.where(valid, dw_rows, 0.0)
         dweight = flat.view(tokens, routing.top_k)
+    elif needs[1]:
+        dweight = dw_slots.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)
     if any(needs[2:2 + len(ups)]):
-        inputs = rows_in if rows_in is not None and rows_in.numel() else _rows(x, routing, scale_input)
+        inputs = rows_in if rows_in is not None and rows_in.numel() else _rows(x, routing, inverse, scale_input)
         d_ups = [grouped_mm(part.t(), inputs, offs=ends) if need else None
                  for part, need in zip(slices, needs[2:2 + len(ups)])]
     dw_down = grouped_mm(dy.t(), h, offs=ends) if needs[-1] else None
