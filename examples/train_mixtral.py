@@ -4,8 +4,8 @@
 
 1. A 2-layer Mixtral (random weights, no download, HF's default grouped_mm experts) trains a few steps
    compiled with the fusion backend (every legal region rewritten, hand-off aot_eager so it runs on
-   the CPU through Triton's interpreter) next to eager: the losses agree, and each layer's router +
-   experts is one fusion::moe_experts call.
+   the CPU through Triton's interpreter) next to eager: the losses agree, each layer's experts are
+   one fusion::moe_experts call and its router's top-k one fusion::topk call.
 2. The decision for the reference MoE block (8 experts, top-2, hidden 2048, ffn 4096, 8192 tokens,
    bf16, training) under the default config, traced on the meta device (no kernel runs): which path
    the cost model picks and its estimate against Inductor.
@@ -51,7 +51,8 @@ def small_training(steps):
         assert abs(a - b) < 1e-4 * abs(b), "fusion and eager disagree"
     moe = fc.Report([d for d in backend.log.decisions if d.family == "moe"])
     print(moe)
-    assert len(moe.where(verdict="applied")) == cfg.num_hidden_layers
+    assert len(moe.where(pattern="moe_experts", verdict="applied")) == cfg.num_hidden_layers
+    assert len(moe.where(pattern="moe_router_topk", verdict="applied")) == cfg.num_hidden_layers
 
 
 def reference_block():

@@ -63,6 +63,9 @@ class DeviceProfile:
     # host time of one call of a project op (Python dispatch, wrapper, Triton launch) beyond what
     # Inductor's launch of its own kernel costs; not paid where the step is replayed as CUDA graphs
     op_host_s: float = 0.0
+    # top-k over rows of E (an MoE router's): seconds per row (torch.topk's base, its per element of E,
+    # fusion::topk's base, its per element of E x k); () until measured on the card (then not taken)
+    topk: tuple = ()
 
 
 # H200, fwd+bwd, B*H = 64 (B4 H16) up to 2048 and 16 at 8192, D128, bf16: benchmarks/runs/
@@ -159,6 +162,12 @@ _FP8_H100, _FP8_H200, _FP8_OVERHEAD = 1276e12, 1483e12, 90e-6
 # ms of wall time in five runs (GPU time equal): a region must save more than the host time of its op
 # calls; the H100 is assumed to match
 _OP_HOST = 50e-6
+# benchmarks/runs/2026-12-05-h100-topk.json, fp32 rows, forward, us: torch.topk (select + sort) 22.7 for
+# 8192 x 8 (k = 2), 166.9 for 65536 x 8 (k = 2), 62.0 for 16384 x 60 (k = 4), 108.8 for 16384 x 128
+# (k = 8), 202.5 for 16384 x 256 (k = 8); fusion::topk 1.6, 3.8, 21.2, 30.5, 65.2. Per row: torch ~2.3 ns
+# + 0.04 ns per element; ours fitted through the last three at 0.93 ns + 1.5 ps per element x k (above
+# the first two). The H200 (the same GH100 chip) is assumed to match
+_TOPK_H100 = (2.3e-9, 0.04e-9, 0.93e-9, 1.5e-12)
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
@@ -166,12 +175,12 @@ PROFILES = {
                           multi_tensor=_MULTI_TENSOR_H200, clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200,
                           gemm_backward=_GEMM_BACKWARD_H200, moe=_MOE_H200,
                           horizontal=_HORIZONTAL_H100, fp8_flops=_FP8_H100, fp8_overhead_s=_FP8_OVERHEAD,
-                          op_host_s=_OP_HOST),
+                          op_host_s=_OP_HOST, topk=_TOPK_H100),
     "h200": DeviceProfile("h200", 4.3e12, 4e-6, _H200, matmul_flops=790e12, attention=_ATTENTION_H200,
                           linear_cross_entropy=_LINEAR_CE_H200, multi_tensor=_MULTI_TENSOR_H200,
                           clip_norm=_CLIP_NORM_H200, gemm=_GEMM_H200, gemm_backward=_GEMM_BACKWARD_H200,
                           moe=_MOE_H200, horizontal=_HORIZONTAL_H200, fp8_flops=_FP8_H200,
-                          fp8_overhead_s=_FP8_OVERHEAD, op_host_s=_OP_HOST),
+                          fp8_overhead_s=_FP8_OVERHEAD, op_host_s=_OP_HOST, topk=_TOPK_H100),
 }
 REFERENCE = "h200"
 
@@ -391,6 +400,27 @@ def estimate_embedding(match, ctx: CostContext) -> Estimate:
     return Estimate(ours / bw + 3 * p.launch_s, theirs / bw, ours, theirs, ctx.baseline,
                     f"table gradient accumulated without Inductor's {v}x{h} fp32 copy: "
                     f"~{4 * v * h / 2**30:.2f} GiB less peak memory")
+
+
+def estimate_topk(scores, k: int, ctx: CostContext) -> Estimate:
+    """fusion::topk (one launch: k rounds of a max over the rows it holds) against torch.topk, which
+    Inductor keeps (a radix select per row, then a second launch sorting the k winners), each at its
+    time per row measured on the card. The backward (zeros, then a scatter of the values' gradient) is
+    the same on both sides."""
+    p = ctx.profile
+    width = scores.shape[-1]
+    rows = scores.numel() // max(width, 1)
+    moved = scores.numel() * scores.element_size() + rows * k * (scores.element_size() + 8)
+    floor = moved / p.bandwidth
+    if not p.topk:
+        return Estimate(floor, floor, moved, moved, ctx.baseline, f"top-k not timed on {p.name}: keep torch.topk")
+    theirs_base, theirs_element, ours_base, ours_element = p.topk
+    ours = p.launch_s + max(floor, rows * (ours_base + ours_element * width * k))
+    theirs = 2 * p.launch_s + max(floor, rows * (theirs_base + theirs_element * width))
+    estimate = Estimate(ours, theirs, moved, moved, ctx.baseline,
+                        f"{rows} rows of {width}: times per row measured on the H100"
+                        f"{'' if p.name == 'h100' else f' (assumed on {p.name})'}")
+    return with_host_time(estimate, 1, ctx)
 
 
 def estimate_multi_tensor(ours_bytes: int, inductor_bytes: int, eager_bytes: int, eager_ops: int, lanes: int,

@@ -212,20 +212,22 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
 
 def known_names() -> list:
     """Every pattern and every name of the families with their own passes (gemm, optimizer)."""
-    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, optimizer
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, optimizer, topk
     return (registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS)
-            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS) + [fp8.DESCRIPTOR])
+            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS) + [topk.DESCRIPTOR, fp8.DESCRIPTOR])
 
 
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
-    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, topk
     patterns = registered_patterns()
     config.check_names(known_names())
     needs_grad = _needs_grad(gm, grad_inputs)
-    # first: routed experts (their activation and products would otherwise be taken one by one)
+    # first: routed experts (their activation and products would otherwise be taken one by one), then
+    # their router's top-k
     applied = moe.rewrite(gm, config, log, graph_id, needs_grad)
+    applied += topk.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     if applied:
         needs_grad = _needs_grad(gm, grad_inputs)
     dynamic = next((n for n in gm.graph.nodes if _compat.has_unbacked(n.meta.get("val"))), None)

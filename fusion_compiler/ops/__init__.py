@@ -27,7 +27,8 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
                                                             -> (routed experts' sum, saved a1, h, y, perm,
                                                             offsets, rows): grouped GEMMs over sorted rows
+    torch.ops.fusion.topk(x, k)                             -> torch.topk(x, k, -1) of short rows, one launch
 """
-from . import elementwise, embedding, fp8, gemm, loss, moe, multi_tensor, norm  # noqa: F401  (registers the ops)
+from . import elementwise, embedding, fp8, gemm, loss, moe, multi_tensor, norm, topk  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES

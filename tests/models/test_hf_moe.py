@@ -32,9 +32,12 @@ MODELS = {
 def test_trains_with_every_layers_experts_fused(name, moe_impl):
     be = fc.backend(handoff="aot_eager", cost_model="always", moe_impl=moe_impl)
     train_both_and_compare(MODELS[name], be)
-    rows = [d for d in be.log.decisions if d.family == "moe"]
+    rows = [d for d in be.log.decisions if d.pattern == "moe_experts"]
     assert [d.verdict for d in rows] == ["applied"] * LAYERS, rows
     assert all(f"impl {moe_impl}" in d.reason for d in rows)
+    # every top-k: each layer's router's and (Mixtral) the aux loss's over all layers' router logits
+    routers = [d for d in be.log.decisions if d.pattern == "moe_router_topk"]
+    assert len(routers) >= LAYERS and all(d.verdict == "applied" for d in routers), routers
 
 
 def _mixtral_with_4x_loops():
@@ -49,5 +52,5 @@ def _mixtral_with_4x_loops():
 def test_transformers_4x_loops_train_through_fusion_compile():
     be = fc.backend(handoff="aot_eager", cost_model="always")
     train_both_and_compare(_mixtral_with_4x_loops, be, compiler=fc.compile)
-    rows = [d for d in be.log.decisions if d.family == "moe"]
+    rows = [d for d in be.log.decisions if d.pattern == "moe_experts"]
     assert [d.verdict for d in rows] == ["applied"] * LAYERS and all("per-expert loop" in d.reason for d in rows)

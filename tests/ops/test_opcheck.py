@@ -46,11 +46,12 @@ def cases(dtype):
                               [_p(3, 40, 24, dtype=dtype), _p(3, 24, 20, dtype=dtype)], "gate_up", "silu", "triton")),
         (fusion.moe_experts, (_p(7, 24, dtype=dtype), torch.randint(0, 3, (7, 2)), _p(7, 2, dtype=torch.float32),
                               [_p(3, 24, 16, dtype=dtype), _p(3, 16, 24, dtype=dtype)], "up_t", "gelu", "grouped_mm")),
+        (fusion.topk, (_p(2, 9, 12, dtype=dtype), 3)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index", range(20))
+@pytest.mark.parametrize("index", range(21))
 def test_opcheck(dtype, index):
     op, args = cases(dtype)[index]
     torch.library.opcheck(op, args)
