@@ -126,7 +126,7 @@ def sweep(cfg: dict) -> dict:
     return found
 
 
-def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_mm") -> list[dict]:
+def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_mm", cudagraphs: bool = False) -> list[dict]:
     rows = []
     for name in names:
         cfg = CONFIGS[name]
@@ -141,12 +141,20 @@ def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_m
             variants["hf_loop"] = ("eager", None)
         for impl in impls:
             variants[f"fusion_{impl}" if impl != "auto" else "fusion"] = (spelling, impl)
+        if cudagraphs:  # the step replayed as CUDA graphs on both sides: no host time per op
+            variants["inductor_cg"] = (spelling, "inductor_cg")
+            variants["fusion_cg"] = (spelling, "auto_cg")
         for label, (experts_impl, how) in variants.items():
             torch.compiler.reset()  # a frame compiled by an earlier row keeps its graph breaks (the 4.x loop's)
             m = block(cfg, experts_impl)
             be = None
             if how == "inductor":
                 m = torch.compile(m, dynamic=False)
+            elif how == "inductor_cg":
+                m = torch.compile(m, mode="reduce-overhead", dynamic=False)
+            elif how == "auto_cg":
+                be = fc.backend(cudagraphs=True)
+                m = fc.compile(m, be, dynamic=False)
             elif how is not None:
                 # forced rows: the MoE rewrite alone, whatever the cost model says
                 be = fc.backend(moe_impl=how) if how == "auto" else \
@@ -186,6 +194,7 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["auto", "triton", "grouped_mm"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--loop", action="store_true")
+    ap.add_argument("--cudagraphs", action="store_true", help="add inductor_cg (reduce-overhead) and fusion_cg rows")
     ap.add_argument("--breakdown", type=int, nargs="?", const=10, default=0,
                     help="list the N (default 10) most expensive kernels of each row")
     ap.add_argument("--spellings", nargs="+", default=["grouped_mm"],
@@ -196,7 +205,8 @@ def main():
     if args.sweep:
         payload["sweep"] = sweep(CONFIGS["reference"])
     payload["rows"] = [row for spelling in args.spellings
-                       for row in run(args.configs, args.loop, args.impls, args.breakdown, spelling)]
+                       for row in run(args.configs, args.loop, args.impls, args.breakdown, spelling,
+                                      args.cudagraphs)]
     save(os.environ.get("BENCH_NAME", "moe.json"), payload)
     print(table(payload["rows"], ["config", "spelling", "impl", "gpu_ms", "wall_ms", "peak_gib", "tflops", "out_err", "dx_err",
                                   "error"]))
