@@ -70,6 +70,10 @@ def main():
         "fusion.fp8_linear fwd+bwd (rowwise)": lambda: torch.ops.fusion.fp8_linear(x, lw, "rowwise", False).sum().backward(),
         "fp8.quantize rows": lambda: fp8.quantize(xd, torch.float8_e4m3fn, True),
         "fp8.quantize transposed": lambda: fp8.quantize(xd.t(), torch.float8_e4m3fn, True),
+        "torch.topk fwd (16 x 256, k = 8)": lambda: torch.topk(xd, 8, -1),
+        "fusion.topk fwd (16 x 256, k = 8)": lambda: torch.ops.fusion.topk(xd, 8),
+        "torch.topk fwd+bwd": lambda: torch.topk(x, 8, -1)[0].sum().backward(),
+        "fusion.topk fwd+bwd": lambda: torch.ops.fusion.topk(x, 8)[0].sum().backward(),
         "torch.empty": lambda: torch.empty(16, 256, device="cuda"),
         "torch.zeros": lambda: torch.zeros(16, 256, device="cuda"),
     }

@@ -78,20 +78,23 @@ def test_rows_too_wide_or_k_too_large_stay_with_torch():
     assert _decisions(lambda x: torch.topk(x, 2, dim=0)[0] * 2, torch.randn(5, 8), cost_model="always") == []
 
 
-def test_cost_takes_a_fine_grained_router_and_keeps_a_small_one_outside_cuda_graphs():
-    """H100 figures (fake tensors): 16384 tokens over 128 experts, top-8, est. 44 vs 130 us: it saves more
-    than the op's host time; 8192 tokens over 8 experts, top-2, est. 12 vs 30 us: taken only where the
-    step is replayed (no host time per op)."""
+def test_cost_counts_the_ops_host_time_unless_the_step_is_replayed():
+    """H100 figures (fake tensors). 16384 tokens over 128 experts, top-8: est. 44 against 130 us of GPU
+    time, so taken in inference even with the op's host time (50 us), declined in training launched op
+    by op (its backward's host time too). 8192 tokens over 8 experts, top-2: est. 12 against 30 us,
+    taken only where the step is replayed as CUDA graphs (no host time per op)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         fine, small = (torch.empty(t, e, device="cuda") for t, e in ((16384, 128), (8192, 8)))
 
-    def estimate(scores, k, replayed, profile=cost.PROFILES["h100"]):
-        return cost.estimate_topk(scores, k, cost.CostContext(profile, "inductor", True, replayed=replayed))
+    def estimate(scores, k, training, replayed, profile=cost.PROFILES["h100"]):
+        return cost.estimate_topk(scores, k, cost.CostContext(profile, "inductor", training, replayed=replayed))
 
-    assert estimate(fine, 8, False).profitable
-    assert not estimate(small, 2, False).profitable and "host time" in estimate(small, 2, False).reason()
-    assert estimate(small, 2, True).profitable
+    assert estimate(fine, 8, False, False).profitable
+    assert not estimate(fine, 8, True, False).profitable and "2 op call(s)" in estimate(fine, 8, True, False).reason()
+    assert estimate(fine, 8, True, True).profitable
+    assert not estimate(small, 2, False, False).profitable
+    assert estimate(small, 2, True, True).profitable
     unmeasured = dataclasses.replace(cost.PROFILES["h100"], topk=())
-    assert not estimate(fine, 8, True, unmeasured).profitable
+    assert not estimate(fine, 8, True, True, unmeasured).profitable
