@@ -129,9 +129,13 @@ def _spread_grad_kernel(DOUT, ROW, W, Y, END, DY, DW, n_tokens, D, sdo, sy, sdy,
         tl.store(DW + tokens * TOP_K + j, dot, mask=t_mask)
 
 
-def _tile(n: int) -> tuple[int, int]:
-    block_d = min(next_pow2(max(n, 1)), 256 if interpreting() else 1024)
-    return (16 if interpreting() else 4), block_d
+def _tile(n: int, tokens: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D): `tokens` per program and rows of up to 2048 in one tile (on the H100 the
+    best of 1-8 tokens x 512-2048 columns x 4-8 warps for each kernel at bench_moe.py's two shapes,
+    benchmarks/runs/2026-12-05-h100-tune-moe-glue.json; the interpreter's tiles are its own)."""
+    if interpreting():
+        return 16, min(next_pow2(max(n, 1)), 256)
+    return tokens, min(next_pow2(max(n, 1)), 2048)
 
 
 def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
@@ -140,7 +144,7 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
     routing weight when `weighted`."""
     width = rows_out.shape[1]
     out = alloc((tokens, width), dtype, rows_out.device)
-    block_t, block_d = _tile(width)
+    block_t, block_d = _tile(width, 1)
     if tokens and width:
         flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
         _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
@@ -161,7 +165,7 @@ def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torc
     experts' input (torchtitan's score-before-experts)."""
     tokens, width = x.shape
     rows = alloc((routing.perm.numel(), width), x.dtype, x.device)
-    block_t, block_d = _tile(width)
+    block_t, block_d = _tile(width, 4)
     if tokens and width:
         _spread_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
             x, inverse, routing.slot_weight, rows, tokens, width, x.stride(0), x.stride(1), rows.stride(0),
@@ -199,12 +203,12 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, g
     else:  # d weight comes out in slot order (t * k + j)
         dy = alloc((rows, width), x.dtype, x.device)
         dw_slots = alloc((rows,), torch.float32, x.device)
-        block_t, block_d = _tile(width)
+        block_t, block_d = _tile(width, 1)
         if tokens:
             _spread_grad_kernel[(cdiv(tokens, block_t),)](
                 dout, inverse, routing.slot_weight, y, routing.offsets[-1:], dy, dw_slots, tokens, width,
                 dout.stride(0), y.stride(0), dy.stride(0), TOP_K=routing.top_k, BLOCK_T=block_t, BLOCK_D=block_d,
-                num_warps=4)
+                num_warps=8)
     dh = grouped_mm(dy, w_down, offs=ends)
     if gated:
         da1 = torch.empty_like(a1)

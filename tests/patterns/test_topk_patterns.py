@@ -21,7 +21,7 @@ def _same_selection(x, values, indices, k):
     assert all(len(set(row)) == k for row in indices.reshape(-1, k).tolist())  # no index twice
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,k", [((37, 8), 2), ((3, 13, 60), 6), ((19, 128), 8), ((5, 256), 1), ((4, 33), 33)])
 def test_topk_rows_match_torch(dtype, shape, k):
     x = torch.randn(shape).to(dtype)
