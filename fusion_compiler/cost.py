@@ -162,12 +162,12 @@ _FP8_H100, _FP8_H200, _FP8_OVERHEAD = 1276e12, 1483e12, 90e-6
 # ms of wall time in five runs (GPU time equal): a region must save more than the host time of its op
 # calls; the H100 is assumed to match
 _OP_HOST = 50e-6
-# benchmarks/runs/2026-12-05-h100-topk.json, fp32 rows, forward, us: torch.topk (select + sort) 22.7 for
-# 8192 x 8 (k = 2), 166.9 for 65536 x 8 (k = 2), 62.0 for 16384 x 60 (k = 4), 108.8 for 16384 x 128
-# (k = 8), 202.5 for 16384 x 256 (k = 8); fusion::topk 1.6, 3.8, 21.2, 30.5, 65.2. Per row: torch ~2.3 ns
-# + 0.04 ns per element; ours fitted through the last three at 0.93 ns + 1.5 ps per element x k (above
-# the first two). The H200 (the same GH100 chip) is assumed to match
-_TOPK_H100 = (2.3e-9, 0.04e-9, 0.93e-9, 1.5e-12)
+# benchmarks/runs/2026-12-05-h100-topk-bitonic.json, fp32 rows, forward, us: torch.topk (select + sort)
+# 23.0 for 8192 x 8 (k = 2), 166.8 for 65536 x 8 (k = 2), 61.9 for 16384 x 60 (k = 4), 109.0 for 16384 x
+# 128 (k = 8), 202.9 for 16384 x 256 (k = 8); fusion::topk 1.4, 3.0, 8.7, 18.0, 39.4. Per row: torch
+# ~2.3 ns + 0.04 ns per element; ours fitted through the third and the last at 0.28 ns + 1.05 ps per
+# element x k (above the others). The H200 (the same GH100 chip) is assumed to match
+_TOPK_H100 = (2.3e-9, 0.04e-9, 0.28e-9, 1.05e-12)
 PROFILES = {
     # the H100's attention, multi-tensor, GEMM and MoE figures: assumed the H200's (one GH100 chip;
     # only the H200 was measured)
