@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .glu import ACTIVATIONS, _act_and_grad
-from .launch import alloc, cdiv, fast_launch, interpreting
+from .launch import alloc, as_rows, cdiv, fast_launch, interpreting
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps) for the row-tile kernels; (BLOCK_P, BLOCK_Q,
 # BLOCK_K, stages, warps) for the weight gradients. The interpreter's tiles are small: each program
@@ -316,15 +316,10 @@ def _launch_rows(kernel, routing: Routing, n: int, gated: bool, args: tuple, dty
     return block_n
 
 
-def _unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """x, or a contiguous copy when its rows are not unit-stride (the kernels gather whole rows)."""
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
 def forward(x, routing: Routing, w_gate, w_up, w_down, act: str, gated: bool):
     """(out [T, D], a1 [S, 2F or F] pre-activations, h [S, F]) for x [T, D]."""
     tokens, width = x.shape
-    x = _unit_rows(x)
+    x = as_rows(x)  # the kernels gather whole unit-stride rows
     experts, ffn, _ = w_gate.shape
     rows = routing.perm.numel()
     a1 = alloc((rows, 2 * ffn if gated else ffn), x.dtype, x.device)
@@ -346,7 +341,7 @@ def backward(dout, x, routing: Routing, w_gate, w_up, w_down, a1, h, act: str, g
     """(dx or None, d routing weights [T, k] fp32 or None) of `forward`; the weight gradients are written
     into the views dw_gate / dw_up / dw_down (shaped like the weights) that are given."""
     tokens, width = x.shape
-    x = _unit_rows(x)
+    x = as_rows(x)  # the kernels gather whole unit-stride rows
     experts, ffn, _ = w_gate.shape
     rows = routing.perm.numel()
     dout = dout.contiguous()

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import alloc, cdiv, fast_launch, interpreting, next_pow2
+from .launch import alloc, as_rows, cdiv, fast_launch, interpreting, next_pow2
 
 MAX_WIDTH = 4096  # widest row one program keeps in registers
 MAX_K = 64  # largest k (its power of two is the width of the bitonic merge)
@@ -58,9 +58,7 @@ def supports(x: torch.Tensor, k: int) -> str | None:
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of x [..., E], as torch.topk(x, k, -1)."""
     width = x.shape[-1]
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x)
     rows = x2.shape[0]
     values = alloc((rows, k), x.dtype, x.device)
     indices = alloc((rows, k), torch.int64, x.device)

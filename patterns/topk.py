@@ -7,7 +7,6 @@ k <= MAX_K is a candidate; the softmax or sigmoid before it and the renormalisat
 Inductor's fused kernels. A pass of its own: the two outputs are siblings, which a search function's
 outputs cannot be.
 """
-import operator
 import types
 
 import torch
