@@ -76,6 +76,8 @@ def test_rows_too_wide_or_k_too_large_stay_with_torch():
                         cost_model="always")
     assert many.verdict == "rejected" and "outside 1 .." in many.reason
     assert _decisions(lambda x: torch.topk(x, 2, dim=0)[0] * 2, torch.randn(5, 8), cost_model="always") == []
+    [ints] = _decisions(lambda x: torch.topk(x, 2, dim=-1)[0] * 2, torch.randint(0, 9, (5, 8)), cost_model="always")
+    assert ints.verdict == "rejected" and "not supported" in ints.reason
 
 
 def test_cost_counts_the_ops_host_time_unless_the_step_is_replayed():
