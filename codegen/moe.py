@@ -51,8 +51,8 @@ class Routing:
 
 
 def route(index: torch.Tensor, weight: torch.Tensor, experts: int) -> Routing:
-    """Sort the (token, slot) pairs by expert. Indices outside [0, experts) fall outside every
-    expert's range and contribute nothing (as expert-parallel sentinels do in HF)."""
+    """Sort the (token, slot) pairs by expert. Indices outside [0, experts) sort after every expert's
+    rows and contribute nothing (as expert-parallel sentinels do in HF)."""
     flat = _sort_key(index.reshape(-1), experts)
     sorted_experts, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(experts + 1, device=flat.device, dtype=sorted_experts.dtype)
@@ -61,13 +61,15 @@ def route(index: torch.Tensor, weight: torch.Tensor, experts: int) -> Routing:
 
 
 def _sort_key(flat: torch.Tensor, experts: int) -> torch.Tensor:
-    """The expert ids in the narrowest integer type that holds -1 .. experts: torch's radix sort makes
-    one pass per byte of the key (8 for the int64 ids topk returns, 1 for int8). Ids outside
-    [0, experts) become -1 or `experts`: still outside every expert's range, in the same order."""
-    for dtype in (torch.int8, torch.int16, torch.int32):
+    """The expert ids in the narrowest integer type that holds 0 .. experts: torch's radix sort makes
+    one pass per byte of the key (8 for the int64 ids topk returns, 1 for int8). Every id outside
+    [0, experts), negative ones included, becomes `experts`: its rows sort after the last expert's, so
+    expert 0's rows start at row 0 (grouped_mm's first group does) and all rows past offsets[-1] are
+    no expert's."""
+    outside = (flat < 0) | (flat > experts)
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
         if experts < torch.iinfo(dtype).max:
-            return flat.clamp(-1, experts).to(dtype)
-    return flat
+            return flat.to(dtype, copy=True).masked_fill_(outside, experts)
 
 
 def rebuild(perm: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> Routing:

@@ -124,10 +124,12 @@ def test_every_token_on_one_expert_and_experts_without_tokens(impl):
 
 
 @pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
-def test_out_of_range_expert_ids_contribute_nothing(impl):
-    """HF's expert-parallel sentinels (id >= E) are dropped: their slot adds 0 and gets no gradient."""
+@pytest.mark.parametrize("sentinel", [4, -1])
+def test_out_of_range_expert_ids_contribute_nothing(impl, sentinel):
+    """HF's expert-parallel sentinels (id >= E) and negative ids are dropped: their slot adds 0 and gets
+    no gradient (a -1 once sorted first, into grouped_mm's first group: expert 0's)."""
     index, weight = routing(9, 4, 2)
-    index[::3, 1] = 4
+    index[::3, 1] = sentinel
     check("gate_up", "silu", impl, torch.float32, tokens=9, experts=4, index=index, weight=weight)
 
 
@@ -185,9 +187,10 @@ def test_route_on_a_narrow_key_keeps_the_int64_order(experts):
     flat = index.reshape(-1)
     expected = torch.sort(flat, stable=True).indices
     inside = (flat[expected] >= 0) & (flat[expected] < experts)
-    kept = r.perm.long()[r.offsets[0]:r.offsets[-1]]
+    kept = r.perm.long()[:r.offsets[-1]]
     assert kept.tolist() == expected[inside].tolist()
-    assert r.offsets.tolist() == [int((flat < e).sum()) for e in range(experts + 1)]
+    assert r.offsets.tolist() == [int(((flat >= 0) & (flat < e)).sum()) for e in range(experts + 1)]
+    assert index[1, 2] == -1  # the caller's ids are not touched
 
 
 def test_bad_operands_raise_clear_errors():
