@@ -6,7 +6,7 @@
     gelu'(g)     = Phi(g) + g * exp(-g^2 / 2) / sqrt(2 pi)
     gelu_tanh(g) = g * (1 + t) / 2,             t = tanh(sqrt(2/pi) * (g + 0.044715 g^3))
     gelu_tanh'   = (1 + t) / 2 + g * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 g^2) / 2
-Backward: d_gate = dy * up * act'(gate), d_up = dy * act(gate).
+Backward: d_gate = dy * up * act'(gate), d_up = dy * act(gate). The forward may scale each row (`row_scale`).
 gate, up and their gradients are [rows, N] views with their own row strides, so the halves of a fused
 gate/up projection are read (and their gradients written) in place, with no copy or concatenation.
 With an FP8 dtype the forward keeps whole rows (N <= fp8.ROW_MAX) and also writes y's FP8 copy with a
@@ -24,7 +24,7 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _act_and_grad(g, ACT: tl.constexpr):
+def act_and_grad(g, ACT: tl.constexpr):
     if ACT == 0:
         s = tl.sigmoid(g)
         a = g * s
@@ -45,13 +45,13 @@ def _act_and_grad(g, ACT: tl.constexpr):
 @triton.jit
 def _glu_fwd_kernel(
     # pointers
-    GATE, UP, Y, Q, INV,
+    GATE, UP, SCALE, Y, Q, INV,
     # sizes
     M, N,
     # row strides
     stride_g, stride_u, stride_y,
     # meta-parameters
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     # the FP8 copy of y (QUANT: BLOCK_N covers the row), codegen/fp8.cast_args
     QUANT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
     MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
@@ -61,8 +61,11 @@ def _glu_fwd_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     g = tl.load(GATE + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    a, _ = _act_and_grad(g, ACT)
-    y = (a * u).to(Y.dtype.element_ty)
+    a, _ = act_and_grad(g, ACT)
+    y = a * u
+    if SCALED:
+        y = y * tl.load(SCALE + rows, mask=rows < M, other=0.0)[:, None]
+    y = y.to(Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     if QUANT:
         q, inv = fp8.quantize_rows_tile(y.to(tl.float32), FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
@@ -88,7 +91,7 @@ def _glu_bwd_kernel(
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GATE + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    a, da = _act_and_grad(g, ACT)
+    a, da = act_and_grad(g, ACT)
     tl.store(DGATE + rows[:, None] * stride_dg + cols[None, :], (dy * u * da).to(DGATE.dtype.element_ty), mask=mask)
     tl.store(DUP + rows[:, None] * stride_du + cols[None, :], (dy * a).to(DUP.dtype.element_ty), mask=mask)
 
@@ -99,9 +102,10 @@ def _tile(n: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def glu_fwd(gate, up, act: str, fp8_dtype=None):
+def glu_fwd(gate, up, act: str, fp8_dtype=None, row_scale=None):
     """act(gate) * up for gate and up of one shape: a contiguous tensor of that shape; with an fp8_dtype
-    (rows of at most fp8.ROW_MAX), (y, q [rows, N] row-major, its dequantization scale [rows, 1] fp32)."""
+    (rows of at most fp8.ROW_MAX), (y, q [rows, N] row-major, its dequantization scale [rows, 1] fp32).
+    row_scale: fp32 [rows], each row's product times it before rounding (the MoE's routing weights)."""
     n = gate.shape[-1]
     g2, u2 = as_rows(gate), as_rows(up)
     m = g2.shape[0]
@@ -116,8 +120,8 @@ def glu_fwd(gate, up, act: str, fp8_dtype=None):
         q, inv = alloc((m, n), fp8_dtype, gate.device), alloc((m, 1), torch.float32, gate.device)
     if m * n > 0:
         _glu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-            g2, u2, y, y if q is None else q, y if inv is None else inv, m, n, g2.stride(0), u2.stride(0), y.stride(0),
-            ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            g2, u2, y if row_scale is None else row_scale, y, y if q is None else q, y if inv is None else inv, m, n,
+            g2.stride(0), u2.stride(0), y.stride(0), ACT=ACTIVATIONS[act], SCALED=row_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             QUANT=q is not None, **fp8.cast_args(fp8_dtype or torch.float8_e4m3fn),
         )
     y = y.view(gate.shape)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .glu import ACTIVATIONS, _act_and_grad
+from .glu import ACTIVATIONS, act_and_grad
 from .launch import alloc, as_rows, cdiv, fast_launch, interpreting
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps) for the row-tile kernels; (BLOCK_P, BLOCK_Q,
@@ -178,7 +178,7 @@ def _up_fwd(TILES, X, TOKEN, WG, WU, A1, H,
             g_ptrs += BLOCK_K * sg_k
             u_ptrs += BLOCK_K * su_k
         mask = row_mask[:, None] & col_mask[None, :]
-        act, dact = _act_and_grad(acc_g, ACT)
+        act, dact = act_and_grad(acc_g, ACT)
         tl.store(A1 + rows[:, None].to(tl.int64) * sa1 + cols[None, :], acc_g.to(A1.dtype.element_ty), mask=mask)
         if GATED:
             tl.store(A1 + rows[:, None].to(tl.int64) * sa1 + N + cols[None, :], acc_u.to(A1.dtype.element_ty),
@@ -226,7 +226,7 @@ def _down_bwd(TILES, DOUT, TOKEN, WD, WEIGHT, A1, DA1, DWP,
         mask = row_mask[:, None] & col_mask[None, :]
         a_in = A1 + rows[:, None].to(tl.int64) * sa1 + cols[None, :]
         pre = tl.load(a_in, mask=mask, other=0.0).to(tl.float32)
-        act, dact = _act_and_grad(pre, ACT)
+        act, dact = act_and_grad(pre, ACT)
         weight = tl.load(WEIGHT + rows, mask=row_mask, other=0.0)
         out = DA1 + rows[:, None].to(tl.int64) * sda1 + cols[None, :]
         if GATED:

@@ -3,12 +3,14 @@ side of the shape-dependent choice: CUTLASS runs the GEMMs, the glue around them
 token-major: a program takes a block of tokens, reads each token's row once and visits its k sorted
 rows through the inverse permutation (`row(t, j)`), which a gather through `token` would read k times.
 
-Forward:  xs[row(t, j)] = x[t] (`_spread_kernel`); a1 = gmm(xs, w_gate_up); h = act(gate) * up (codegen/
-          glu.py); y = gmm(h, w_down); out[t] = sum_j weight[t, j] * y[row(t, j)] in fp32 (`combine`)
-Backward: dy[row(t, j)] = weight[t, j] * dout[t] and d weight[t, j] = <dout[t], y[row(t, j)]> in one pass
-          (`_spread_grad_kernel`);
-          dh = gmm(dy, w_down^T); d a1 from the activation; dx = `combine` of gmm(d a1, w_gate_up^T);
-          dW_gate_up = gmm(d a1^T, xs) (xs saved by the forward), dW_down = gmm(dy^T, h)
+Forward:  xs[row(t, j)] = x[t] (`_spread_kernel`); a1 = gmm(xs, w_gate_up); h = w * act(gate) * up,
+          w the row's routing weight (codegen/glu.py); y = gmm(h, w_down); out[t] = sum_j y[row(t, j)]
+          in fp32 (`combine`). The weight rides on h (F wide) rather than on y (D wide): y is not saved.
+Backward: dy[row(t, j)] = dout[t] (`_spread_kernel`); dh = gmm(dy, w_down^T); d a1 and
+          d weight = <dh, act(gate) * up> (in slot order) in one pass (`_glu_grad_kernel`);
+          dx = `combine` of gmm(d a1, w_gate_up^T); dW_gate_up = gmm(d a1^T, xs) (xs saved by the
+          forward), dW_down = gmm(dy^T, h).
+With torchtitan's score-before-experts the weight scales the token rows in xs instead.
 `gmm` is grouped over the experts' row ranges (`Routing.offsets`); weight gradients group over K.
 Needs unit-stride, 16-byte aligned rows and weights whose gate and up halves are one [E, 2F, D]
 tensor (or no gate): `supports` says why not otherwise.
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from fusion_compiler._compat import grouped_mm
 
-from .glu import glu_bwd, glu_fwd
+from .glu import ACTIVATIONS, act_and_grad, glu_bwd, glu_fwd
 from .launch import alloc, cdiv, fast_launch, interpreting, next_pow2
 from .moe import Routing
 
@@ -105,28 +107,40 @@ def _spread_kernel(X, ROW, W, OUT, n_tokens, D, sx, sx_d, so,
 
 @fast_launch
 @triton.jit
-def _spread_grad_kernel(DOUT, ROW, W, Y, END, DY, DW, n_tokens, D, sdo, sy, sdy,
-                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per token t and slot j, row s = ROW[t * k + j]: DY[s] = W[t * k + j] * DOUT[t] and
-    DW[t * k + j] = <DOUT[t], Y[s]> (fp32); both 0 where s is at or past END (no expert's row). The
-    token's DOUT row is read again for each slot by the same program: from cache."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = tokens < n_tokens
-    end = tl.load(END)
-    for j in tl.static_range(TOP_K):
-        row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
-        ok = t_mask & (row < end)
-        weight = tl.load(W + tokens * TOP_K + j, mask=ok, other=0.0)
-        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            mask = ok[:, None] & (cols < D)[None, :]
-            g = tl.load(DOUT + tokens[:, None].to(tl.int64) * sdo + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dot += tl.sum(g * y, 1)
-            tl.store(DY + row[:, None].to(tl.int64) * sdy + cols[None, :], (g * weight[:, None]).to(DY.dtype.element_ty),
-                     mask=t_mask[:, None] & (cols < D)[None, :])
-        tl.store(DW + tokens * TOP_K + j, dot, mask=t_mask)
+def _glu_grad_kernel(DH, GATE, UP, PERM, W, END, DGATE, DUP, DW, M, N, s_dh, s_g, s_u, s_dg, s_du,
+                     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward of h = W[r] * act(GATE) * UP for sorted rows r (W[r] the row's routing weight, read at
+    its slot PERM[r]): DGATE, DUP from DH = d h, and DW[PERM[r]] = <DH[r], act(GATE[r]) * UP[r]> in
+    fp32, the routing weight's gradient in slot order; rows at or past END (no expert's) get zeros."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < M
+    ok = r_mask & (rows < tl.load(END))
+    slot = tl.load(PERM + rows, mask=r_mask, other=0)
+    weight = tl.load(W + slot, mask=ok, other=0.0)
+    rows64 = rows[:, None].to(tl.int64)
+    dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        load = ok[:, None] & (cols < N)[None, :]
+        dh = tl.load(DH + rows64 * s_dh + cols[None, :], mask=load, other=0.0).to(tl.float32)
+        g = tl.load(GATE + rows64 * s_g + cols[None, :], mask=load, other=0.0).to(tl.float32)
+        u = tl.load(UP + rows64 * s_u + cols[None, :], mask=load, other=0.0).to(tl.float32)
+        a, da = act_and_grad(g, ACT)
+        dot += tl.sum(dh * a * u, 1)
+        dh = dh * weight[:, None]
+        store = r_mask[:, None] & (cols < N)[None, :]
+        tl.store(DGATE + rows64 * s_dg + cols[None, :], (dh * u * da).to(DGATE.dtype.element_ty), mask=store)
+        tl.store(DUP + rows64 * s_du + cols[None, :], (dh * a).to(DUP.dtype.element_ty), mask=store)
+    tl.store(DW + slot, dot, mask=r_mask)
+
+
+def _glu_tile(n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of `_glu_grad_kernel`: column blocks that divide n where a power of two from
+    128 to 1024 does (768 = 3 x 256 rather than a 1024 a quarter masked), about 2048 elements a step."""
+    if interpreting():
+        return 16, min(next_pow2(max(n, 1)), 256)
+    block_n = next((b for b in (1024, 512, 256, 128) if n % b == 0), min(next_pow2(max(n, 1)), 1024))
+    return max(1, 2048 // block_n), block_n
 
 
 def _tile(n: int, tokens: int) -> tuple[int, int]:
@@ -174,63 +188,70 @@ def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torc
 
 
 def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
-    """(out, a1, h, y, rows) as codegen.moe.forward plus y = the down projection's rows (the backward's
-    routing-weight gradient reads them; empty when the weight scales the input) and rows = the gathered
-    token rows (the up weights' gradient reads them: saved rather than gathered again). `ups`: the
-    first projection's weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
+    """(out, a1, h, rows) as codegen.moe.forward, but h is times each row's routing weight (unless the
+    weight scales the input), so the combine is a plain sum; rows = the gathered token rows (the up
+    weights' gradient reads them: saved rather than gathered again). `ups`: the first projection's
+    weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
     ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
     inverse = _inverse(routing)
     rows = _rows(x, routing, inverse, scale_input)
     parts = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
     a1 = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-    ffn = w_down.shape[-1]
-    h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act) if gated else _ACT[act](a1)
+    ffn, scale = w_down.shape[-1], None if scale_input else routing.weight
+    if gated:
+        h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act, row_scale=scale)
+    else:
+        h = _ACT[act](a1.float())
+        h = (h if scale is None else h * scale[:, None]).to(a1.dtype)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    out = combine(y, routing, inverse, x.shape[0], not scale_input, x.dtype)
-    return out, a1, h, (x.new_empty(0) if scale_input else y), rows
+    out = combine(y, routing, inverse, x.shape[0], False, x.dtype)
+    return out, a1, h, rows
 
 
-def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, y, act: str, gated: bool, scale_input: bool,
+def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gated: bool, scale_input: bool,
              needs: tuple, rows_in=None):
     """(dx, d routing weights [T, k] fp32, [d up weights], d w_down), None where `needs` (x, weights,
-    each of ups, w_down) says no. rows_in: the forward's gathered rows (gathered again when absent)."""
+    each of ups, w_down) says no. h: the forward's (times the routing weights unless they scale the
+    input); rows_in: the forward's gathered rows (gathered again when absent)."""
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
     ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
     rows, width = routing.perm.numel(), x.shape[1]
     dout, inverse = dout.contiguous(), _inverse(routing)
-    if scale_input:
-        dy, dw_rows = dout[routing.token.long()], None
-    else:  # d weight comes out in slot order (t * k + j)
-        dy = alloc((rows, width), x.dtype, x.device)
+    dy = _rows(dout, routing, inverse, False)
+    dh = grouped_mm(dy, w_down, offs=ends)  # d h
+    da1, dw_slots = torch.empty_like(a1), None
+    if not scale_input:  # d weight = <d h, h / weight>, in slot order (t * k + j)
         dw_slots = alloc((rows,), torch.float32, x.device)
-        block_t, block_d = _tile(width, 1)
-        if tokens:
-            _spread_grad_kernel[(cdiv(tokens, block_t),)](
-                dout, inverse, routing.slot_weight, y, routing.offsets[-1:], dy, dw_slots, tokens, width,
-                dout.stride(0), y.stride(0), dy.stride(0), TOP_K=routing.top_k, BLOCK_T=block_t, BLOCK_D=block_d,
-                num_warps=8)
-    dh = grouped_mm(dy, w_down, offs=ends)
-    if gated:
-        da1 = torch.empty_like(a1)
+    if gated and not scale_input:
+        block_m, block_n = _glu_tile(ffn)
+        if rows and ffn:
+            _glu_grad_kernel[(cdiv(rows, block_m),)](
+                dh, a1, a1[:, ffn:], routing.perm, routing.slot_weight, routing.offsets[-1:], da1, da1[:, ffn:],
+                dw_slots, rows, ffn, dh.stride(0), a1.stride(0), a1.stride(0), da1.stride(0), da1.stride(0),
+                ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    elif gated:
         glu_bwd(dh, a1[:, :ffn], a1[:, ffn:], act, da1[:, :ffn], da1[:, ffn:])
     else:
-        da1 = (dh.float() * _act_grad(act, a1)).to(x.dtype)
+        dh = dh.float()
+        if not scale_input:
+            valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
+            dw_slots[routing.perm.long()] = torch.where(valid, (dh * _ACT[act](a1.float())).sum(1), 0.0)
+            dh = dh * routing.weight[:, None]
+        da1 = (dh * _act_grad(act, a1)).to(x.dtype)
     slices = [da1] if len(ups) == 1 else [da1[:, :ffn], da1[:, ffn:]]
     dx = dweight = None
     if needs[0] or (scale_input and needs[1]):
         d_rows = grouped_mm(slices[0], ups[0], offs=ends)
         for part, u in zip(slices[1:], ups[1:]):
             d_rows = d_rows + grouped_mm(part, u, offs=ends)
-        if scale_input:  # d weight = <d rows, x[token]>
-            dw_rows = (d_rows.float() * x[routing.token.long()].float()).sum(1)
+        if scale_input and needs[1]:  # d weight = <d rows, x[token]>
+            valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
+            dw_slots = torch.empty(rows, dtype=torch.float32, device=x.device)
+            dw_slots[routing.perm.long()] = torch.where(
+                valid, (d_rows.float() * x[routing.token.long()].float()).sum(1), 0.0)
         if needs[0]:
             dx = combine(d_rows, routing, inverse, tokens, scale_input, x.dtype)
-    if needs[1] and scale_input:
-        valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
-        flat = torch.empty(rows, dtype=torch.float32, device=x.device)
-        flat[routing.perm.long()] = torch.where(valid, dw_rows, 0.0)
-        dweight = flat.view(tokens, routing.top_k)
-    elif needs[1]:
+    if needs[1]:
         dweight = dw_slots.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)
     if any(needs[2:2 + len(ups)]):

@@ -503,7 +503,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     runs the activation as its own pass, then scales, un-permutes and sums the slots (and the mirror
     image backward), at its measured factor over this byte count (DeviceProfile.moe, per spelling);
     ours (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
-    (output) and backward (input gradient); grouped_mm keeps the copies, and with gate and up apart
+    (output) and backward (input gradient); grouped_mm keeps the copies (codegen/moe_grouped_mm.py's
+    passes, each reading and writing once), and with gate and up apart
     concatenates them (and adds two input gradients), with the weight on the input scales the rows in
     torch ops (forward, and again with the weights' gradient in the backward). A per-expert loop's
     weights are stacked first (stacked_bytes: a copy, and its gradient split back). The dense spelling
@@ -540,8 +541,11 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     if impl == "triton":
         ours_bytes, ours = gemm_io + slots, flops / (p.matmul_flops * triton_eff) + slots / passes_bw
         eff = triton_eff
-    else:  # the spelling's passes less the separate scale, each one kernel of ours
-        passes = spelling - rows * width * b
+    else:  # one kernel of ours a pass: the token rows spread to the slots, the GLU (the weight on its rows),
+        # the slots summed; backward the output gradient spread, the GLU's (and the weight's), the sum
+        passes = rows * (2 * width + (g + 1) * ffn) * b + 2 * out
+        if ctx.training:
+            passes += rows * (2 * width + (2 * g + 1) * ffn) * b + 2 * out
         if shape.get("separate"):  # concatenated halves; a second input gradient added
             passes += rows * 2 * ffn * b * 2 + (rows * width * b * 3 if ctx.training else 0)
         if shape.get("scale_input"):  # rows scaled in fp32 (forward; backward: again, and the weights' dot)

@@ -25,7 +25,7 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.fp8_linear(x, w, recipe, emulate)      -> x @ w^T with all three training GEMMs in
                                                             FP8 (dynamic per-row or per-tensor scales)
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
-                                                            -> (routed experts' sum, saved a1, h, y, perm,
+                                                            -> (routed experts' sum, saved a1, h, perm,
                                                             offsets, rows): grouped GEMMs over sorted rows
     torch.ops.fusion.topk(x, k)                             -> torch.topk(x, k, -1) of short rows, one launch
 """

@@ -26,6 +26,14 @@ def test_glu_forward_backward(dtype, act, shape):
     assert_close(du.view(shape), du64, dtype, "dup")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_row_scale(dtype):
+    """y = row_scale[r] * act(gate) * up, rounded once (the MoE's routing weight on each sorted row)."""
+    gate, up, scale = torch.randn(37, 129).to(dtype), torch.randn(37, 129).to(dtype), torch.rand(37)
+    y = glu.glu_fwd(gate, up, "silu", row_scale=scale)
+    assert_close(y, F.silu(gate.double()) * up.double() * scale.double()[:, None], dtype, "y")
+
+
 def test_glu_reads_halves_of_a_packed_buffer_in_place():
     x = torch.randn(5, 9, 2 * 77)
     gate, up = x.chunk(2, -1)
