@@ -126,7 +126,8 @@ def sweep(cfg: dict) -> dict:
     return found
 
 
-def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_mm", cudagraphs: bool = False) -> list[dict]:
+def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_mm", cudagraphs: bool = False,
+        only=None) -> list[dict]:
     rows = []
     for name in names:
         cfg = CONFIGS[name]
@@ -145,6 +146,8 @@ def run(names, loop: bool, impls, breakdown: int = 0, spelling: str = "grouped_m
             variants["inductor_cg"] = (spelling, "inductor_cg")
             variants["fusion_cg"] = (spelling, "auto_cg")
         for label, (experts_impl, how) in variants.items():
+            if only and label not in only:
+                continue
             torch.compiler.reset()  # a frame compiled by an earlier row keeps its graph breaks (the 4.x loop's)
             m = block(cfg, experts_impl)
             be = None
@@ -197,6 +200,7 @@ def main():
     ap.add_argument("--cudagraphs", action="store_true", help="add inductor_cg (reduce-overhead) and fusion_cg rows")
     ap.add_argument("--breakdown", type=int, nargs="?", const=10, default=0,
                     help="list the N (default 10) most expensive kernels of each row")
+    ap.add_argument("--rows", nargs="+", help="only these rows (labels as printed: inductor, fusion, fusion_cg, ...)")
     ap.add_argument("--spellings", nargs="+", default=["grouped_mm"],
                     help="grouped_mm (HF's default), titan_before / titan_after (torchtitan's, scores before or "
                          "after), dense (every expert on every token, top-k gates), loop4x (transformers 4.x)")
@@ -206,7 +210,7 @@ def main():
         payload["sweep"] = sweep(CONFIGS["reference"])
     payload["rows"] = [row for spelling in args.spellings
                        for row in run(args.configs, args.loop, args.impls, args.breakdown, spelling,
-                                      args.cudagraphs)]
+                                      args.cudagraphs, args.rows)]
     save(os.environ.get("BENCH_NAME", "moe.json"), payload)
     print(table(payload["rows"], ["config", "spelling", "impl", "gpu_ms", "wall_ms", "peak_gib", "tflops", "out_err", "dx_err",
                                   "error"]))
