@@ -135,12 +135,12 @@ def _glu_grad_kernel(DH, GATE, UP, PERM, W, END, DGATE, DUP, DW, M, N, s_dh, s_g
 
 
 def _glu_tile(n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of `_glu_grad_kernel`: column blocks that divide n where a power of two from
-    128 to 1024 does (768 = 3 x 256 rather than a 1024 a quarter masked), about 2048 elements a step."""
+    """(BLOCK_M, BLOCK_N) of `_glu_grad_kernel`: one row a program in blocks of up to 1024 columns (on the
+    H100 the best of 1-16 rows x 128-1024 columns x 4-8 warps at F = 4096 and 768, within 1.5%;
+    benchmarks/runs/2026-12-06-h100-tune-moe-glue.json; the interpreter's tiles are its own)."""
     if interpreting():
         return 16, min(next_pow2(max(n, 1)), 256)
-    block_n = next((b for b in (1024, 512, 256, 128) if n % b == 0), min(next_pow2(max(n, 1)), 1024))
-    return max(1, 2048 // block_n), block_n
+    return 1, min(next_pow2(max(n, 1)), 1024)
 
 
 def _tile(n: int, tokens: int) -> tuple[int, int]:
