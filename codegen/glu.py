@@ -121,7 +121,8 @@ def glu_fwd(gate, up, act: str, fp8_dtype=None, row_scale=None):
     if m * n > 0:
         _glu_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             g2, u2, y if row_scale is None else row_scale, y, y if q is None else q, y if inv is None else inv, m, n,
-            g2.stride(0), u2.stride(0), y.stride(0), ACT=ACTIVATIONS[act], SCALED=row_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            g2.stride(0), u2.stride(0), y.stride(0), ACT=ACTIVATIONS[act], SCALED=row_scale is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             QUANT=q is not None, **fp8.cast_args(fp8_dtype or torch.float8_e4m3fn),
         )
     y = y.view(gate.shape)

@@ -187,6 +187,14 @@ def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torc
     return rows
 
 
+def _in_slot_order(routing: Routing, per_row: torch.Tensor) -> torch.Tensor:
+    """A value per sorted row (fp32) moved to slot order (t * k + j); 0 for rows no expert's."""
+    valid = torch.arange(per_row.numel(), device=per_row.device) < routing.offsets[-1]
+    out = torch.empty_like(per_row)
+    out[routing.perm.long()] = torch.where(valid, per_row, 0.0)
+    return out
+
+
 def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
     """(out, a1, h, rows) as codegen.moe.forward, but h is times each row's routing weight (unless the
     weight scales the input), so the combine is a plain sum; rows = the gathered token rows (the up
@@ -220,9 +228,8 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gate
     dy = _rows(dout, routing, inverse, False)
     dh = grouped_mm(dy, w_down, offs=ends)  # d h
     da1, dw_slots = torch.empty_like(a1), None
-    if not scale_input:  # d weight = <d h, h / weight>, in slot order (t * k + j)
+    if gated and not scale_input:  # d weight = <d h, act(gate) * up>, in slot order (t * k + j)
         dw_slots = alloc((rows,), torch.float32, x.device)
-    if gated and not scale_input:
         block_m, block_n = _glu_tile(ffn)
         if rows and ffn:
             _glu_grad_kernel[(cdiv(rows, block_m),)](
@@ -234,8 +241,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gate
     else:
         dh = dh.float()
         if not scale_input:
-            valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
-            dw_slots[routing.perm.long()] = torch.where(valid, (dh * _ACT[act](a1.float())).sum(1), 0.0)
+            dw_slots = _in_slot_order(routing, (dh * _ACT[act](a1.float())).sum(1))
             dh = dh * routing.weight[:, None]
         da1 = (dh * _act_grad(act, a1)).to(x.dtype)
     slices = [da1] if len(ups) == 1 else [da1[:, :ffn], da1[:, ffn:]]
@@ -245,10 +251,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gate
         for part, u in zip(slices[1:], ups[1:]):
             d_rows = d_rows + grouped_mm(part, u, offs=ends)
         if scale_input and needs[1]:  # d weight = <d rows, x[token]>
-            valid = torch.arange(rows, device=x.device) < routing.offsets[-1]
-            dw_slots = torch.empty(rows, dtype=torch.float32, device=x.device)
-            dw_slots[routing.perm.long()] = torch.where(
-                valid, (d_rows.float() * x[routing.token.long()].float()).sum(1), 0.0)
+            dw_slots = _in_slot_order(routing, (d_rows.float() * x[routing.token.long()].float()).sum(1))
         if needs[0]:
             dx = combine(d_rows, routing, inverse, tokens, scale_input, x.dtype)
     if needs[1]:
