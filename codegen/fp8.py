@@ -183,7 +183,7 @@ STRIDED_TILES = (64, 128, 256, 4)
 def quantize_strided(x, q, inv, per_row: bool, dtype: torch.dtype, tiles=None) -> None:
     """q, inv <- the cast of x [R, C] whose rows are strided and columns contiguous (x.stride(0) == 1)."""
     rows, cols = x.shape
-    block_r, block_c, chunk, warps = (16, 16, 64, 4) if interpreting() else (tiles or STRIDED_TILES)
+    block_r, block_c, chunk, warps = (32, 64, 64, 4) if interpreting() else (tiles or STRIDED_TILES)
     amax = torch.zeros((rows,), dtype=torch.float32, device=x.device)
     _strided_amax_kernel[(cdiv(rows, block_r), cdiv(cols, chunk))](
         x, amax, rows, cols, x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk, num_warps=warps)
@@ -196,7 +196,7 @@ def _row_tiles(cols: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps): whole rows up to ROW_MAX elements, ~8K elements a program."""
     block_c = next_pow2(max(cols, 1))
     if interpreting():
-        return 4, min(block_c, 256), 4
+        return 16, min(block_c, 256), 4
     if block_c > ROW_MAX:
         return 4, 1024, 8
     return max(1, 8192 // block_c), block_c, (8 if block_c >= 4096 else 4)
