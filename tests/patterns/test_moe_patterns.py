@@ -74,6 +74,15 @@ def routing_is_tied(module, x, exact: bool) -> bool:
     return False
 
 
+def untied(module, x, exact: bool):
+    """x, or fresh normal values in its place while the routing of module(x) is tied."""
+    for _ in range(20):
+        if not routing_is_tied(module, x, exact):
+            return x
+        x = torch.randn_like(x)
+    raise AssertionError("20 draws of x all tie at a top-k's k-th place")
+
+
 def check_block(make, x, moe_impl="auto", tol=1e-5, reference_dtype=torch.float64, families=None, make_ref=None,
                 compiler=torch.compile):
     """Compile make() with the fusion backend (MoE forced), compare with eager (make_ref or make)() in
@@ -82,13 +91,7 @@ def check_block(make, x, moe_impl="auto", tol=1e-5, reference_dtype=torch.float6
     computes the router in the module's dtype, bit for bit as the compiled graph does)."""
     torch.manual_seed(0)
     module = make()
-    exact = reference_dtype == x.dtype
-    for _ in range(20):
-        if not routing_is_tied(module, x, exact):
-            break
-        x = torch.randn_like(x)
-    else:
-        raise AssertionError("20 draws of x all tie at a top-k's k-th place")
+    x = untied(module, x, exact=reference_dtype == x.dtype)
     ref_module = (make_ref or make)()
     ref_module.load_state_dict(module.state_dict())
     ref_module.to(reference_dtype)
@@ -289,7 +292,7 @@ class ReturnsActivations(GeluExpertsTransposed):
 def test_an_intermediate_used_elsewhere_is_a_near_miss():
     module = ReturnsActivations().to(torch.bfloat16)
     be = fc.FusionBackend(fc.FusionConfig(handoff="aot_eager", cost_model="always", families={"moe"}))
-    x = torch.randn(6, HIDDEN, dtype=torch.bfloat16)
+    x = untied(module, torch.randn(6, HIDDEN, dtype=torch.bfloat16), exact=True)
     out, extra = torch.compile(module, backend=be)(x)
     ref, ref_extra = module(x)
     assert rel_err(out, ref) <= 1e-2 and rel_err(extra, ref_extra) <= 1e-2
