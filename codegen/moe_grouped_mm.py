@@ -3,17 +3,18 @@ side of the shape-dependent choice: CUTLASS runs the GEMMs, the glue around them
 token-major: a program takes a block of tokens, reads each token's row once and visits its k sorted
 rows through the inverse permutation (`row(t, j)`), which a gather through `token` would read k times.
 
-Forward:  xs[row(t, j)] = x[t] (`_spread_kernel`); a1 = gmm(xs, w_gate_up); h = w * act(gate) * up,
-          w the row's routing weight (codegen/glu.py); y = gmm(h, w_down); out[t] = sum_j y[row(t, j)]
-          in fp32 (`combine`). The weight rides on h (F wide) rather than on y (D wide): y is not saved.
+Forward:  xs[row(t, j)] = x[t] (`_spread_kernel`); a1 = gmm(xs, w_gate_up) (gate and up apart: two
+          products, kept apart); h = w * act(gate) * up, w the row's routing weight (codegen/glu.py);
+          y = gmm(h, w_down); out[t] = sum_j y[row(t, j)] in fp32 (`combine`). The weight rides on h
+          (F wide) rather than on y (D wide): y is not saved.
 Backward: dy[row(t, j)] = dout[t] (`_spread_kernel`); dh = gmm(dy, w_down^T); d a1 and
           d weight = <dh, act(gate) * up> (in slot order) in one pass (`_glu_grad_kernel`);
-          dx = `combine` of gmm(d a1, w_gate_up^T); dW_gate_up = gmm(d a1^T, xs) (xs saved by the
-          forward), dW_down = gmm(dy^T, h).
+          dx = `combine` of gmm(d a1, w_gate_up^T) (gate and up apart: both products' rows summed in
+          the combine); dW_gate_up = gmm(d a1^T, xs) (xs saved by the forward), dW_down = gmm(dy^T, h).
 With torchtitan's score-before-experts the weight scales the token rows in xs instead.
 `gmm` is grouped over the experts' row ranges (`Routing.offsets`); weight gradients group over K.
-Needs unit-stride, 16-byte aligned rows and weights whose gate and up halves are one [E, 2F, D]
-tensor (or no gate): `supports` says why not otherwise.
+Needs unit-stride, 16-byte aligned rows and weights (gate and up as one [E, 2F, D] tensor or apart,
+not interleaved): `supports` says why not otherwise.
 """
 import torch
 import triton
@@ -65,9 +66,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 @fast_launch
 @triton.jit
-def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
-                    TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """OUT[t] = sum_j (W[t, j] *) Y[ROW[t * k + j]] in fp32; rows at or past END (no expert's) add 0."""
+def _combine_kernel(Y, Y2, ROW, W, END, OUT, n_tokens, D, sy, sy2, so, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
+                    TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[t] = sum_j (W[t, j] *) (Y[ROW[t * k + j]] (+ Y2[ROW[t * k + j]] when TWO)) in fp32; rows at
+    or past END (no expert's) add 0."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask, d_mask = tokens < n_tokens, cols < D
@@ -76,8 +78,10 @@ def _combine_kernel(Y, ROW, W, END, OUT, n_tokens, D, sy, so,
     for j in tl.static_range(TOP_K):
         row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
         ok = t_mask & (row < end)
-        y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=ok[:, None] & d_mask[None, :],
-                    other=0.0).to(tl.float32)
+        mask = ok[:, None] & d_mask[None, :]
+        y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if TWO:
+            y += tl.load(Y2 + row[:, None].to(tl.int64) * sy2 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if WEIGHTED:
             y = y * tl.load(W + tokens * TOP_K + j, mask=t_mask, other=0.0)[:, None]
         acc += y
@@ -153,17 +157,19 @@ def _tile(n: int, tokens: int) -> tuple[int, int]:
 
 
 def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
-            dtype: torch.dtype) -> torch.Tensor:
-    """[T, D] in dtype: each token's k slot rows of rows_out (sorted order) summed in fp32, times the
-    routing weight when `weighted`."""
+            dtype: torch.dtype, plus: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, D] in dtype: each token's k slot rows of rows_out (sorted order), plus those of `plus` when
+    given, summed in fp32, times the routing weight when `weighted`."""
     width = rows_out.shape[1]
     out = alloc((tokens, width), dtype, rows_out.device)
     block_t, block_d = _tile(width, 1)
     if tokens and width:
         flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
+        second = rows_out if plus is None else plus  # (unread without `plus`)
         _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
-            rows_out, inverse, flat_weight, routing.offsets[-1:], out, tokens, width, rows_out.stride(0),
-            out.stride(0), TOP_K=routing.top_k, WEIGHTED=weighted, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+            rows_out, second, inverse, flat_weight, routing.offsets[-1:], out, tokens, width, rows_out.stride(0),
+            second.stride(0), out.stride(0), TOP_K=routing.top_k, WEIGHTED=weighted, TWO=plus is not None,
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -195,49 +201,58 @@ def _in_slot_order(routing: Routing, per_row: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _halves(a1: torch.Tensor, a1_up: torch.Tensor | None, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) pre-activations: a1's two halves, or a1 and a1_up (gate and up weights apart)."""
+    return (a1[:, :ffn], a1[:, ffn:]) if a1_up is None else (a1, a1_up)
+
+
 def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale_input: bool = False):
-    """(out, a1, h, rows) as codegen.moe.forward, but h is times each row's routing weight (unless the
-    weight scales the input), so the combine is a plain sum; rows = the gathered token rows (the up
-    weights' gradient reads them: saved rather than gathered again). `ups`: the first projection's
-    weights [E, N, D]: [gate; up] in one tensor, gate and up apart, or up alone."""
+    """(out, a1, a1_up, h, rows) as codegen.moe.forward, but h is times each row's routing weight (unless
+    the weight scales the input), so the combine is a plain sum; rows = the gathered token rows (the
+    up weights' gradient reads them: saved rather than gathered again). `ups`: the first projection's
+    weights [E, N, D]: [gate; up] in one tensor (a1 = both products, a1_up None), gate and up apart
+    (a1 = the gate's product, a1_up the up's: not concatenated), or up alone."""
     ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
     inverse = _inverse(routing)
     rows = _rows(x, routing, inverse, scale_input)
-    parts = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
-    a1 = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    a1, *a1_up = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
+    a1_up = a1_up[0] if a1_up else None
     ffn, scale = w_down.shape[-1], None if scale_input else routing.weight
     if gated:
-        h = glu_fwd(a1[:, :ffn], a1[:, ffn:], act, row_scale=scale)
+        h = glu_fwd(*_halves(a1, a1_up, ffn), act, row_scale=scale)
     else:
         h = _ACT[act](a1.float())
         h = (h if scale is None else h * scale[:, None]).to(a1.dtype)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
     out = combine(y, routing, inverse, x.shape[0], False, x.dtype)
-    return out, a1, h, rows
+    return out, a1, a1_up, h, rows
 
 
-def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gated: bool, scale_input: bool,
+def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: str, gated: bool, scale_input: bool,
              needs: tuple, rows_in=None):
     """(dx, d routing weights [T, k] fp32, [d up weights], d w_down), None where `needs` (x, weights,
-    each of ups, w_down) says no. h: the forward's (times the routing weights unless they scale the
-    input); rows_in: the forward's gathered rows (gathered again when absent)."""
+    each of ups, w_down) says no. a1, a1_up, h: the forward's (h times the routing weights unless they
+    scale the input); rows_in: the forward's gathered rows (gathered again when absent)."""
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
     ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
     rows, width = routing.perm.numel(), x.shape[1]
     dout, inverse = dout.contiguous(), _inverse(routing)
     dy = _rows(dout, routing, inverse, False)
     dh = grouped_mm(dy, w_down, offs=ends)  # d h
-    da1, dw_slots = torch.empty_like(a1), None
+    dw_slots = None
+    if gated:
+        gate, up = _halves(a1, a1_up, ffn)
+        da1 = alloc((rows, 2 * ffn), a1.dtype, a1.device)
     if gated and not scale_input:  # d weight = <d h, act(gate) * up>, in slot order (t * k + j)
         dw_slots = alloc((rows,), torch.float32, x.device)
         block_m, block_n = _glu_tile(ffn)
         if rows and ffn:
             _glu_grad_kernel[(cdiv(rows, block_m),)](
-                dh, a1, a1[:, ffn:], routing.perm, routing.slot_weight, routing.offsets[-1:], da1, da1[:, ffn:],
-                dw_slots, rows, ffn, dh.stride(0), a1.stride(0), a1.stride(0), da1.stride(0), da1.stride(0),
+                dh, gate, up, routing.perm, routing.slot_weight, routing.offsets[-1:], da1, da1[:, ffn:],
+                dw_slots, rows, ffn, dh.stride(0), gate.stride(0), up.stride(0), da1.stride(0), da1.stride(0),
                 ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     elif gated:
-        glu_bwd(dh, a1[:, :ffn], a1[:, ffn:], act, da1[:, :ffn], da1[:, ffn:])
+        glu_bwd(dh, gate, up, act, da1[:, :ffn], da1[:, ffn:])
     else:
         dh = dh.float()
         if not scale_input:
@@ -247,13 +262,13 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, h, act: str, gate
     slices = [da1] if len(ups) == 1 else [da1[:, :ffn], da1[:, ffn:]]
     dx = dweight = None
     if needs[0] or (scale_input and needs[1]):
-        d_rows = grouped_mm(slices[0], ups[0], offs=ends)
-        for part, u in zip(slices[1:], ups[1:]):
-            d_rows = d_rows + grouped_mm(part, u, offs=ends)
+        # d rows: one product a weight of the first projection (two with gate and up apart)
+        d_rows = [grouped_mm(part, u, offs=ends) for part, u in zip(slices, ups)]
         if scale_input and needs[1]:  # d weight = <d rows, x[token]>
-            dw_slots = _in_slot_order(routing, (d_rows.float() * x[routing.token.long()].float()).sum(1))
-        if needs[0]:
-            dx = combine(d_rows, routing, inverse, tokens, scale_input, x.dtype)
+            x_rows = x[routing.token.long()].float()
+            dw_slots = _in_slot_order(routing, sum((d.float() * x_rows).sum(1) for d in d_rows))
+        if needs[0]:  # the two products' rows summed in the combine (no pass adding them first)
+            dx = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:])
     if needs[1]:
         dweight = dw_slots.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)

@@ -504,8 +504,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     image backward), at its measured factor over this byte count (DeviceProfile.moe, per spelling);
     ours (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
     (output) and backward (input gradient); grouped_mm keeps the copies (codegen/moe_grouped_mm.py's
-    passes, each reading and writing once), and with gate and up apart
-    concatenates them (and adds two input gradients), with the weight on the input scales the rows in
+    passes, each reading and writing once; with gate and up apart the combine of the input gradient
+    reads two products' rows), with the weight on the input scales the rows in
     torch ops (forward, and again with the weights' gradient in the backward). A per-expert loop's
     weights are stacked first (stacked_bytes: a copy, and its gradient split back). The dense spelling
     (every expert on every token, gates zero outside the top k) runs E / k times the FLOPs as batched
@@ -546,8 +546,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
         passes = rows * (2 * width + (g + 1) * ffn) * b + 2 * out
         if ctx.training:
             passes += rows * (2 * width + (2 * g + 1) * ffn) * b + 2 * out
-        if shape.get("separate"):  # concatenated halves; a second input gradient added
-            passes += rows * 2 * ffn * b * 2 + (rows * width * b * 3 if ctx.training else 0)
+        if shape.get("separate") and ctx.training:  # the combine reads both products' rows of d x
+            passes += rows * width * b
         if shape.get("scale_input"):  # rows scaled in fp32 (forward; backward: again, and the weights' dot)
             passes += rows * width * 20 + (rows * width * 54 if ctx.training else 0)
         ours_bytes, ours, eff = gemm_io + passes, gmm_s + passes / passes_bw, gmm_eff

@@ -1,13 +1,15 @@
 """The routed-experts op (kernels in codegen/moe.py and codegen/moe_grouped_mm.py).
 
     fusion::moe_experts(x, index, weight, weights, layout, act, impl, scale_input=False)
-                                                                   -> (out, a1, h, perm, offsets, xs)
+                                                            -> (out, a1, a1_up, h, perm, offsets, xs)
         out[t] = sum_j weight[t, j] * expert_{index[t, j]}(x[t]) for x [T, D], index / weight [T, k]
         (scale_input: sum_j expert_{index[t, j]}(weight[t, j] * x[t]), torchtitan's score-before-experts);
         an expert is down(act(gate(x)) * up(x)) (gated) or down(act(up(x))).
-        a1, h, perm, offsets, xs are what the backward reads (pre-activations, activations (times the
-        routing weight on the grouped_mm path unless scale_input), the gathered token rows on the
-        grouped_mm path (empty on Triton's, which gathers in its kernels), the sort).
+        a1, a1_up, h, perm, offsets, xs are what the backward reads (pre-activations: a1 both halves,
+        or on the grouped_mm path with gate and up weights apart the gate's, and a1_up the up's (else
+        empty); activations (times the routing weight on the grouped_mm path unless scale_input), the
+        gathered token rows on the grouped_mm path (empty on Triton's, which gathers in its kernels),
+        the sort).
     fusion::moe_experts_backward(...) -> [dx, d weight, d weights...]
 
 `weights` and `layout` say how the expert weights are stored, read in place:
@@ -91,7 +93,7 @@ def resolve_impl(impl: str, x: Tensor, layout: str, weights: list[Tensor]) -> st
 
 @fusion_op("fusion::moe_experts")
 def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor], layout: str, act: str, impl: str,
-                scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                scale_input: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check(x, index, weight, weights, layout, act)
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.route(index, weight, w_gate.shape[0])
@@ -101,11 +103,12 @@ def moe_experts(x: Tensor, index: Tensor, weight: Tensor, weights: list[Tensor],
         raise ValueError("fusion::moe_experts: scale_input (routing weights on the experts' input) runs on the "
                          "grouped_mm path only: bf16 on CUDA, 16-byte aligned, gate and up not interleaved")
     if path == "grouped_mm":
-        out, a1, h, xs = moe_grouped_mm.forward(x, routing, _ups(layout, weights), w_down, act, gated, scale_input)
+        out, a1, a1_up, h, xs = moe_grouped_mm.forward(x, routing, _ups(layout, weights), w_down, act, gated,
+                                                       scale_input)
     else:
         out, a1, h = kernels.forward(x, routing, w_gate, w_up, w_down, act, gated)
-        xs = x.new_empty(0)
-    return out, a1, h, routing.perm, routing.offsets, xs
+        a1_up, xs = None, x.new_empty(0)
+    return out, a1, x.new_empty(0) if a1_up is None else a1_up, h, routing.perm, routing.offsets, xs
 
 
 @moe_experts.register_fake
@@ -113,23 +116,26 @@ def _(x, index, weight, weights, layout, act, impl, scale_input=False):
     w_gate, w_up, w_down = views(layout, weights)
     rows, ffn = index.numel(), w_gate.shape[1]
     grouped = resolve_impl(impl, x, layout, weights) == "grouped_mm"
-    return (x.new_empty(x.shape), x.new_empty((rows, 2 * ffn if w_up is not None else ffn)),
+    apart = grouped and parse_layout(layout)[0] == "separate"
+    a1 = x.new_empty((rows, 2 * ffn if w_up is not None and not apart else ffn))
+    return (x.new_empty(x.shape), a1, x.new_empty((rows, ffn) if apart else (0,)),
             x.new_empty((rows, ffn)), index.new_empty((rows,), dtype=torch.int32),
             index.new_empty((w_gate.shape[0] + 1,), dtype=torch.int32),
             x.new_empty((rows, x.shape[1]) if grouped else (0,)))
 
 
 @fusion_op("fusion::moe_experts_backward")
-def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, h: Tensor,
-                         perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
+def moe_experts_backward(dout: Tensor, x: Tensor, weight: Tensor, weights: list[Tensor], a1: Tensor, a1_up: Tensor,
+                         h: Tensor, perm: Tensor, offsets: Tensor, layout: str, act: str, impl: str,
                          needs: list[bool], scale_input: bool = False, xs: Tensor | None = None) -> list[Tensor]:
     """[dx, d weight, d weights...] (empty where `needs` (x, weight, each of weights) says no)."""
     w_gate, w_up, w_down = views(layout, weights)
     routing = kernels.rebuild(perm, offsets, weight)
     gated = w_up is not None
     if resolve_impl(impl, x, layout, weights) == "grouped_mm":
-        dx, dweight, d_ups, d_down = moe_grouped_mm.backward(dout, x, routing, _ups(layout, weights), w_down, a1, h,
-                                                              act, gated, scale_input, tuple(needs), xs)
+        dx, dweight, d_ups, d_down = moe_grouped_mm.backward(dout, x, routing, _ups(layout, weights), w_down, a1,
+                                                              a1_up if a1_up.numel() else None, h, act, gated,
+                                                              scale_input, tuple(needs), xs)
         transposed = parse_layout(layout)[1]
         dws = [None if d is None else (d.transpose(1, 2) if transposed else d) for d in (*d_ups, d_down)]
     else:
@@ -150,7 +156,7 @@ def _wanted(layout: str, view_index: int, needs: list[bool]) -> bool:
 
 
 @moe_experts_backward.register_fake
-def _(dout, x, weight, weights, a1, h, perm, offsets, layout, act, impl, needs, scale_input=False, xs=None):
+def _(dout, x, weight, weights, a1, a1_up, h, perm, offsets, layout, act, impl, needs, scale_input=False, xs=None):
     shapes = [x.shape, weight.shape] + [w.shape for w in weights]
     dtypes = [x.dtype, weight.dtype] + [w.dtype for w in weights]
     grads = [x.new_empty(s if need else (0,), dtype=d) for s, d, need in zip(shapes, dtypes, needs)]
@@ -162,16 +168,16 @@ def _(dout, x, weight, weights, a1, h, perm, offsets, layout, act, impl, needs, 
 
 def _setup(ctx, inputs, output):
     x, index, weight, weights, layout, act, impl, *rest = inputs
-    out, a1, h, perm, offsets, xs = output
+    out, a1, a1_up, h, perm, offsets, xs = output
     ctx.layout, ctx.act, ctx.impl, ctx.scale_input = layout, act, impl, bool(rest and rest[0])
     ctx.weight_needs = [w.requires_grad for w in weights]
-    ctx.save_for_backward(x, weight, a1, h, perm, offsets, xs, *weights)
+    ctx.save_for_backward(x, weight, a1, a1_up, h, perm, offsets, xs, *weights)
 
 
 def _grad(ctx, dout, *unused):
-    x, weight, a1, h, perm, offsets, xs, *weights = ctx.saved_tensors
+    x, weight, a1, a1_up, h, perm, offsets, xs, *weights = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]] + ctx.weight_needs
-    grads = moe_experts_backward(dout, x, weight, weights, a1, h, perm, offsets, ctx.layout, ctx.act, ctx.impl,
+    grads = moe_experts_backward(dout, x, weight, weights, a1, a1_up, h, perm, offsets, ctx.layout, ctx.act, ctx.impl,
                                  needs, ctx.scale_input, xs)
     dx, dweight, *dws = [g if need else None for g, need in zip(grads, needs)]
     # layout, act, impl and scale_input get no gradient (one None per argument the caller passed)

@@ -117,9 +117,12 @@ def test_grouped_mm_path_is_taken_where_it_can_run_and_triton_otherwise():
     odd = torch.randn(4, 23)  # a 92-byte row: not 16-byte aligned
     assert op.resolve_impl("grouped_mm", odd, "gate_up", [torch.randn(3, 40, 23), torch.randn(3, 23, 20)]) == "triton"
     outs = check("gate_up", "silu", "grouped_mm", torch.float32)
-    assert outs[5].shape == (26, 24)  # the grouped_mm path saves the gathered token rows
+    assert outs[6].shape == (26, 24)  # the grouped_mm path saves the gathered token rows
+    assert outs[1].shape == (26, 40) and outs[2].numel() == 0  # gate and up products in one tensor
+    outs = check("separate", "silu", "grouped_mm", torch.float32, width=24, ffn=20)
+    assert outs[1].shape == outs[2].shape == (26, 20)  # weights apart: the two products kept apart
     outs = check("gate_up", "silu", "triton", torch.float32)
-    assert outs[5].numel() == 0
+    assert outs[6].numel() == 0 and outs[2].numel() == 0
 
 
 @pytest.mark.parametrize("impl", ["triton", "grouped_mm"])

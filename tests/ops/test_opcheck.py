@@ -153,8 +153,8 @@ def test_moe_backward_fake_has_the_real_strides(layout, impl):
     ws = [torch.randn(s) for s in weights]
     index = torch.randint(0, 3, (7, 2))
     act = "silu" if layout != "up_t" else "gelu"
-    out, a1, h, perm, offsets, xs = fusion.moe_experts(x, index, weight, ws, layout, act, impl)
-    args = (torch.randn_like(out), x, weight, ws, a1, h, perm, offsets, layout, act, impl, [True] * (2 + len(ws)),
+    out, a1, a1_up, h, perm, offsets, xs = fusion.moe_experts(x, index, weight, ws, layout, act, impl)
+    args = (torch.randn_like(out), x, weight, ws, a1, a1_up, h, perm, offsets, layout, act, impl, [True] * (2 + len(ws)),
             False, xs)
     real = fusion.moe_experts_backward(*args)
     with _compat.FakeTensorMode() as mode:
