@@ -269,6 +269,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
             dw_slots = _in_slot_order(routing, sum((d.float() * x_rows).sum(1) for d in d_rows))
         if needs[0]:  # the two products' rows summed in the combine (no pass adding them first)
             dx = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:])
+        del d_rows  # freed before the weight gradients are allocated
     if needs[1]:
         dweight = dw_slots.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)

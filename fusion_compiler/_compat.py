@@ -16,6 +16,7 @@ from torch._decomp import get_decompositions  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch._dynamo.source import ConstantSource as _ConstantSource  # noqa: E402
 from torch._guards import detect_fake_mode, tracing  # noqa: E402
+from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: E402
 from torch._ops import HigherOrderOperator, OpOverload  # noqa: E402
@@ -167,6 +168,7 @@ __all__ = [
     "get_hash_for_files",
     "grouped_mm",
     "has_unbacked",
+    "inductor_config",
     "scaled_mm",
     "set_grad_enabled",
     "size_hint",

@@ -12,7 +12,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from . import _compat, engine, overlap, recompute, state_update
+from . import _compat, cache_key, engine, overlap, recompute, state_update
 from . import ops  # noqa: F401  (registers the project's custom ops)
 from .canonical import Unsupported, to_aten
 from .config import ConfigError, FusionConfig
@@ -137,8 +137,9 @@ class FusionBackend:
                 self.overlap = overlap.OverlapPass(self.log, gid, self.config.overlap_memory_budget,
                                                    chunks=self.config.overlap_chunks)
                 patches["post_grad_custom_post_pass"] = self.overlap
-            return _compat.compile_fx(gm, example_inputs, config_patches=patches) if patches else \
-                _compat.compile_fx(gm, example_inputs)
+            # our ops' code in the cache keys (a configured pre-pass still runs, chained)
+            patches["post_grad_custom_pre_pass"] = cache_key.OpsKey(_compat.inductor_config.post_grad_custom_pre_pass)
+            return _compat.compile_fx(gm, example_inputs, config_patches=patches)
         if self.config.handoff == "aot_eager":
             return _compat.aot_eager(gm, example_inputs)
         return gm

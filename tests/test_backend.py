@@ -279,6 +279,7 @@ def test_autocast_region_is_matched_and_matches_eager():
 def test_cudagraphs_reach_inductor(monkeypatch):
     """FusionConfig(cudagraphs=True) hands off with Inductor's CUDA graphs on (mode="reduce-overhead")."""
     from fusion_compiler import _compat
+    from fusion_compiler.cache_key import OpsKey
     seen = []
 
     def spy(gm, example_inputs, config_patches=None):
@@ -288,7 +289,8 @@ def test_cudagraphs_reach_inductor(monkeypatch):
     for cudagraphs in (True, False):
         torch.compiler.reset()
         torch.compile(lambda x: x.sin() + 1, backend=fc.backend(cudagraphs=cudagraphs))(torch.randn(8))
-    assert seen == [{"triton.cudagraphs": True}, None]
+    assert [p.get("triton.cudagraphs") for p in seen] == [True, None]
+    assert all(isinstance(p["post_grad_custom_pre_pass"], OpsKey) for p in seen)  # our ops' code in the key
 
 
 def test_small_saving_outside_cuda_graphs_stays_on_inductor():
