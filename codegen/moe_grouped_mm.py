@@ -66,15 +66,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 @fast_launch
 @triton.jit
-def _combine_kernel(Y, Y2, ROW, W, END, OUT, n_tokens, D, sy, sy2, so, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
-                    TWO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """OUT[t] = sum_j (W[t, j] *) (Y[ROW[t * k + j]] (+ Y2[ROW[t * k + j]] when TWO)) in fp32; rows at
-    or past END (no expert's) add 0."""
+def _combine_kernel(Y, Y2, ROW, W, END, OUT, X, DOT, n_tokens, D, sy, sy2, so, sx, TOP_K: tl.constexpr,
+                    WEIGHTED: tl.constexpr, TWO: tl.constexpr, DOTS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[t] = sum_j (W[t, j] *) y_j, y_j = Y[ROW[t * k + j]] (+ Y2[ROW[t * k + j]] when TWO), in fp32;
+    rows at or past END (no expert's) add 0. DOTS: also DOT[t * k + j] = <y_j, X[t]> in fp32 (stored
+    when ONE_BLOCK covers D, else added to DOT's zeros block by block)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask, d_mask = tokens < n_tokens, cols < D
     end = tl.load(END)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if DOTS:
+        x = tl.load(X + tokens[:, None].to(tl.int64) * sx + cols[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
     for j in tl.static_range(TOP_K):
         row = tl.load(ROW + tokens * TOP_K + j, mask=t_mask, other=0)
         ok = t_mask & (row < end)
@@ -82,6 +87,11 @@ def _combine_kernel(Y, Y2, ROW, W, END, OUT, n_tokens, D, sy, sy2, so, TOP_K: tl
         y = tl.load(Y + row[:, None].to(tl.int64) * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if TWO:
             y += tl.load(Y2 + row[:, None].to(tl.int64) * sy2 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DOTS:
+            if ONE_BLOCK:
+                tl.store(DOT + tokens * TOP_K + j, tl.sum(y * x, 1), mask=t_mask)
+            else:
+                tl.atomic_add(DOT + tokens * TOP_K + j, tl.sum(y * x, 1), mask=t_mask)
         if WEIGHTED:
             y = y * tl.load(W + tokens * TOP_K + j, mask=t_mask, other=0.0)[:, None]
         acc += y
@@ -157,20 +167,28 @@ def _tile(n: int, tokens: int) -> tuple[int, int]:
 
 
 def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
-            dtype: torch.dtype, plus: torch.Tensor | None = None) -> torch.Tensor:
+            dtype: torch.dtype, plus: torch.Tensor | None = None, dot_with: torch.Tensor | None = None):
     """[T, D] in dtype: each token's k slot rows of rows_out (sorted order), plus those of `plus` when
-    given, summed in fp32, times the routing weight when `weighted`."""
+    given, summed in fp32, times the routing weight when `weighted`. With `dot_with` (x [T, D]):
+    (that, [T * k] fp32: each slot's row (before the weight) dotted with its token's row of x)."""
     width = rows_out.shape[1]
     out = alloc((tokens, width), dtype, rows_out.device)
     block_t, block_d = _tile(width, 1)
+    one_block = block_d >= width
+    dots = None
+    if dot_with is not None:
+        dots = (alloc if one_block else torch.zeros)((tokens * routing.top_k,), dtype=torch.float32,
+                                                     device=rows_out.device)
     if tokens and width:
         flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
         second = rows_out if plus is None else plus  # (unread without `plus`)
+        x = out if dot_with is None else dot_with.contiguous()  # (unread without `dot_with`)
         _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
-            rows_out, second, inverse, flat_weight, routing.offsets[-1:], out, tokens, width, rows_out.stride(0),
-            second.stride(0), out.stride(0), TOP_K=routing.top_k, WEIGHTED=weighted, TWO=plus is not None,
+            rows_out, second, inverse, flat_weight, routing.offsets[-1:], out, x, out if dots is None else dots,
+            tokens, width, rows_out.stride(0), second.stride(0), out.stride(0), x.stride(0), TOP_K=routing.top_k,
+            WEIGHTED=weighted, TWO=plus is not None, DOTS=dots is not None, ONE_BLOCK=one_block,
             BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
-    return out
+    return out if dot_with is None else (out, dots)
 
 
 def _inverse(routing: Routing) -> torch.Tensor:
@@ -264,11 +282,13 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
     if needs[0] or (scale_input and needs[1]):
         # d rows: one product a weight of the first projection (two with gate and up apart)
         d_rows = [grouped_mm(part, u, offs=ends) for part, u in zip(slices, ups)]
-        if scale_input and needs[1]:  # d weight = <d rows, x[token]>
-            x_rows = x[routing.token.long()].float()
-            dw_slots = _in_slot_order(routing, sum((d.float() * x_rows).sum(1) for d in d_rows))
-        if needs[0]:  # the two products' rows summed in the combine (no pass adding them first)
-            dx = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:])
+        # dx: the two products' rows summed in the combine (no pass adding them first); with the weight on
+        # the input, d weight = <d rows, x[token]> in the same pass, in slot order
+        dx = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:],
+                     dot_with=x if scale_input and needs[1] else None)
+        if scale_input and needs[1]:
+            dx, dw_slots = dx
+        dx = dx if needs[0] else None
         del d_rows  # freed before the weight gradients are allocated
     if needs[1]:
         dweight = dw_slots.view(tokens, routing.top_k)

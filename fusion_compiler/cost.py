@@ -505,8 +505,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
     ours (Triton) gathers rows inside the GEMMs and writes each slot once in fp32 for the sum, forward
     (output) and backward (input gradient); grouped_mm keeps the copies (codegen/moe_grouped_mm.py's
     passes, each reading and writing once; with gate and up apart the combine of the input gradient
-    reads two products' rows), with the weight on the input scales the rows in
-    torch ops (forward, and again with the weights' gradient in the backward). A per-expert loop's
+    reads two products' rows; with the weight on the input, the spread scales the rows and the
+    backward's combine dots them with x for the weights' gradient). A per-expert loop's
     weights are stacked first (stacked_bytes: a copy, and its gradient split back). The dense spelling
     (every expert on every token, gates zero outside the top k) runs E / k times the FLOPs as batched
     GEMMs, and its [T, E, .] intermediates."""
@@ -548,8 +548,8 @@ def estimate_moe(shape: dict, impl: str, ctx: CostContext) -> Estimate:
             passes += rows * (2 * width + (2 * g + 1) * ffn) * b + 2 * out
         if shape.get("separate") and ctx.training:  # the combine reads both products' rows of d x
             passes += rows * width * b
-        if shape.get("scale_input"):  # rows scaled in fp32 (forward; backward: again, and the weights' dot)
-            passes += rows * width * 20 + (rows * width * 54 if ctx.training else 0)
+        if shape.get("scale_input") and ctx.training:  # the rows are scaled as they are spread; the
+            passes += out  # backward's combine reads x for the weights' dots
         ours_bytes, ours, eff = gemm_io + passes, gmm_s + passes / passes_bw, gmm_eff
     stacked = shape.get("stacked_bytes", 0) * (3 if ctx.training else 2)  # a ModuleList's weights copied to [E, ...]
     ours, ours_bytes = ours + stacked / passes_bw, ours_bytes + stacked

@@ -149,6 +149,26 @@ def test_routing_weights_on_the_experts_input(layout):
     check(layout, "silu", "grouped_mm", torch.float32, scale_input=True)
 
 
+def test_routing_weights_on_the_input_rows_wider_than_a_block():
+    """The input weight's gradient is summed over the combine's column blocks (256 wide under the
+    interpreter) when the width spans several: 300 takes two."""
+    check("gate_up", "silu", "grouped_mm", torch.float32, tokens=9, width=300, ffn=20, experts=3, scale_input=True)
+
+
+def test_routing_weight_gradient_alone_on_the_input():
+    """x frozen, the routing weights not: their gradient alone (the combine's dots), no dx."""
+    x, (index, weight) = torch.randn(7, 24), routing(7, 3, 2)
+    ws = stored("gate_up", 3, 24, 20, torch.float32)
+    weight = weight.clone().requires_grad_()
+    out = torch.ops.fusion.moe_experts(x, index, weight, ws, "gate_up", "silu", "grouped_mm", True)[0]
+    dout = torch.randn_like(out)
+    (dweight,) = torch.autograd.grad(out, [weight], dout)
+    ref_weight = weight.detach().double().requires_grad_()
+    ref = reference(x.double(), index, ref_weight, [w.double() for w in ws], "gate_up", "silu", scale_input=True)
+    (ref_dweight,) = torch.autograd.grad(ref, [ref_weight], dout.double())
+    assert rel_err(out, ref) <= 1e-5 and rel_err(dweight, ref_dweight) <= 1e-5
+
+
 def test_routing_weights_on_the_input_need_the_grouped_mm_path():
     x, (index, weight) = torch.randn(5, 24), routing(5, 3, 2)
     w13, wd = torch.randn(3, 40, 24), torch.randn(3, 24, 20)
