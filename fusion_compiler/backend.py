@@ -138,7 +138,9 @@ class FusionBackend:
                                                    chunks=self.config.overlap_chunks)
                 patches["post_grad_custom_post_pass"] = self.overlap
             # our ops' code in the cache keys (a configured pre-pass still runs, chained)
-            patches["post_grad_custom_pre_pass"] = cache_key.OpsKey(_compat.inductor_config.post_grad_custom_pre_pass)
+            ops_key = cache_key.pre_pass(_compat.inductor_config.post_grad_custom_pre_pass)
+            if ops_key is not None:
+                patches["post_grad_custom_pre_pass"] = ops_key
             return _compat.compile_fx(gm, example_inputs, config_patches=patches)
         if self.config.handoff == "aot_eager":
             return _compat.aot_eager(gm, example_inputs)

@@ -39,3 +39,12 @@ class OpsKey(_compat.CustomGraphPass):
     def uuid(self):
         chained = None if self.chained is None else self.chained.uuid()
         return (source_hash(self.files), chained)
+
+
+def pre_pass(configured):
+    """The pre-pass to hand Inductor: OpsKey chaining `configured` (None or a CustomGraphPass), or None
+    (leave the configured one as it is) for another kind (a plain callable or a list: Inductor does
+    not cache graphs compiled with a plain callable, and has no key to chain)."""
+    if configured is None or isinstance(configured, _compat.CustomGraphPass):
+        return OpsKey(configured)
+    return None

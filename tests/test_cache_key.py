@@ -50,3 +50,12 @@ def test_a_rewritten_graph_hits_the_cache_and_a_configured_pre_pass_runs(tmp_pat
             compiled.append(theirs.runs)
     # the pre-pass runs when Inductor compiles: first time, not on the hit, again under another key
     assert compiled == [1, 1, 2]
+
+
+def test_a_configured_callable_pre_pass_is_left_as_it_is():
+    """A plain function (Inductor compiles without its cache then) or a list: nothing to chain."""
+    def theirs(graph):
+        pass
+    assert cache_key.pre_pass(theirs) is None and cache_key.pre_pass([theirs]) is None
+    assert isinstance(cache_key.pre_pass(None), cache_key.OpsKey)
+    assert cache_key.pre_pass(_Counting()).chained.uuid() == "counting"
