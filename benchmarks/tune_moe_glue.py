@@ -48,7 +48,7 @@ def main():
                     "combine": lambda: glue._combine_kernel[grid2](
                         y, y, inverse, routing.slot_weight, end, out, out, out, tokens, width, y.stride(0),
                         y.stride(0), out.stride(0), 0, TOP_K=k, WEIGHTED=False, TWO=False, DOTS=False,
-                        ONE_BLOCK=True, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps),
+                        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps),
                     "glu_grad": lambda: glue._glu_grad_kernel[(cdiv(slots, block_t),)](
                         dh, a1, a1[:, ffn:], routing.perm, routing.slot_weight, end, da1, da1[:, ffn:], dw, slots,
                         ffn, dh.stride(0), a1.stride(0), a1.stride(0), da1.stride(0), da1.stride(0), ACT=0,

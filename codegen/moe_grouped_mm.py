@@ -67,11 +67,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 @fast_launch
 @triton.jit
 def _combine_kernel(Y, Y2, ROW, W, END, OUT, X, DOT, n_tokens, D, sy, sy2, so, sx, TOP_K: tl.constexpr,
-                    WEIGHTED: tl.constexpr, TWO: tl.constexpr, DOTS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                    WEIGHTED: tl.constexpr, TWO: tl.constexpr, DOTS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """OUT[t] = sum_j (W[t, j] *) y_j, y_j = Y[ROW[t * k + j]] (+ Y2[ROW[t * k + j]] when TWO), in fp32;
-    rows at or past END (no expert's) add 0. DOTS: also DOT[t * k + j] = <y_j, X[t]> in fp32 (stored
-    when ONE_BLOCK covers D, else added to DOT's zeros block by block)."""
+    rows at or past END (no expert's) add 0. DOTS: also DOT[b, t * k + j] = <y_j, X[t]> over this
+    program's column block b, in fp32 (the caller sums the blocks: no atomics, the same sum each run)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask, d_mask = tokens < n_tokens, cols < D
@@ -88,10 +88,7 @@ def _combine_kernel(Y, Y2, ROW, W, END, OUT, X, DOT, n_tokens, D, sy, sy2, so, s
         if TWO:
             y += tl.load(Y2 + row[:, None].to(tl.int64) * sy2 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if DOTS:
-            if ONE_BLOCK:
-                tl.store(DOT + tokens * TOP_K + j, tl.sum(y * x, 1), mask=t_mask)
-            else:
-                tl.atomic_add(DOT + tokens * TOP_K + j, tl.sum(y * x, 1), mask=t_mask)
+            tl.store(DOT + tl.program_id(1) * n_tokens * TOP_K + tokens * TOP_K + j, tl.sum(y * x, 1), mask=t_mask)
         if WEIGHTED:
             y = y * tl.load(W + tokens * TOP_K + j, mask=t_mask, other=0.0)[:, None]
         acc += y
@@ -174,11 +171,9 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
     width = rows_out.shape[1]
     out = alloc((tokens, width), dtype, rows_out.device)
     block_t, block_d = _tile(width, 1)
-    one_block = block_d >= width
     dots = None
-    if dot_with is not None:
-        dots = (alloc if one_block else torch.zeros)((tokens * routing.top_k,), dtype=torch.float32,
-                                                     device=rows_out.device)
+    if dot_with is not None:  # a row of partial dots per column block
+        dots = alloc((cdiv(width, block_d), tokens * routing.top_k), torch.float32, rows_out.device)
     if tokens and width:
         flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
         second = rows_out if plus is None else plus  # (unread without `plus`)
@@ -186,9 +181,11 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
         _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
             rows_out, second, inverse, flat_weight, routing.offsets[-1:], out, x, out if dots is None else dots,
             tokens, width, rows_out.stride(0), second.stride(0), out.stride(0), x.stride(0), TOP_K=routing.top_k,
-            WEIGHTED=weighted, TWO=plus is not None, DOTS=dots is not None, ONE_BLOCK=one_block,
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
-    return out if dot_with is None else (out, dots)
+            WEIGHTED=weighted, TWO=plus is not None, DOTS=dots is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+            num_warps=4)
+    if dots is None:
+        return out
+    return out, dots[0] if dots.shape[0] == 1 else dots.sum(0)
 
 
 def _inverse(routing: Routing) -> torch.Tensor:

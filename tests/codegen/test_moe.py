@@ -150,8 +150,8 @@ def test_routing_weights_on_the_experts_input(layout):
 
 
 def test_routing_weights_on_the_input_rows_wider_than_a_block():
-    """The input weight's gradient is summed over the combine's column blocks (256 wide under the
-    interpreter) when the width spans several: 300 takes two."""
+    """The input weight's gradient is summed over the combine's column blocks' partial dots (256 wide
+    under the interpreter) when the width spans several: 300 takes two."""
     check("gate_up", "silu", "grouped_mm", torch.float32, tokens=9, width=300, ffn=20, experts=3, scale_input=True)
 
 
