@@ -166,8 +166,8 @@ def _tile(n: int, tokens: int) -> tuple[int, int]:
 def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
             dtype: torch.dtype, plus: torch.Tensor | None = None, dot_with: torch.Tensor | None = None):
     """[T, D] in dtype: each token's k slot rows of rows_out (sorted order), plus those of `plus` when
-    given, summed in fp32, times the routing weight when `weighted`. With `dot_with` (x [T, D]):
-    (that, [T * k] fp32: each slot's row (before the weight) dotted with its token's row of x)."""
+    given, summed in fp32, times the routing weight when `weighted`; and with `dot_with` (x [T, D]),
+    [T * k] fp32: each slot's row (before the weight) dotted with its token's row of x (else None)."""
     width = rows_out.shape[1]
     out = alloc((tokens, width), dtype, rows_out.device)
     block_t, block_d = _tile(width, 1)
@@ -183,9 +183,9 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
             tokens, width, rows_out.stride(0), second.stride(0), out.stride(0), x.stride(0), TOP_K=routing.top_k,
             WEIGHTED=weighted, TWO=plus is not None, DOTS=dots is not None, BLOCK_T=block_t, BLOCK_D=block_d,
             num_warps=4)
-    if dots is None:
-        return out
-    return out, dots[0] if dots.shape[0] == 1 else dots.sum(0)
+    if dots is not None:
+        dots = dots[0] if dots.shape[0] == 1 else dots.sum(0)
+    return out, dots
 
 
 def _inverse(routing: Routing) -> torch.Tensor:
@@ -239,7 +239,7 @@ def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale
         h = _ACT[act](a1.float())
         h = (h if scale is None else h * scale[:, None]).to(a1.dtype)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    out = combine(y, routing, inverse, x.shape[0], False, x.dtype)
+    out, _ = combine(y, routing, inverse, x.shape[0], False, x.dtype)
     return out, a1, a1_up, h, rows
 
 
@@ -281,10 +281,10 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
         d_rows = [grouped_mm(part, u, offs=ends) for part, u in zip(slices, ups)]
         # dx: the two products' rows summed in the combine (no pass adding them first); with the weight on
         # the input, d weight = <d rows, x[token]> in the same pass, in slot order
-        dx = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:],
-                     dot_with=x if scale_input and needs[1] else None)
-        if scale_input and needs[1]:
-            dx, dw_slots = dx
+        dx, dots = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:],
+                           dot_with=x if scale_input and needs[1] else None)
+        if dots is not None:
+            dw_slots = dots
         dx = dx if needs[0] else None
         del d_rows  # freed before the weight gradients are allocated
     if needs[1]:
