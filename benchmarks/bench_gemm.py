@@ -103,7 +103,7 @@ def _case(dname, ename, size, mode, args, profile) -> dict:
         ref = m(x, r)
     g = torch.randn_like(ref)
     for bname in args.backends:
-        if bname in ("forced", "autotune") and training or (bname == "autotune" and ename not in args.autotune):
+        if bname == "autotune" and (training or ename not in args.autotune):
             continue
         torch.compiler.reset()
         f, be = _compile(bname, m)

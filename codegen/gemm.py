@@ -676,15 +676,15 @@ def _backward_plan(ep: Epilogue, sides: list, shape, side_needs, product_dtype, 
 
 
 def backward(ep: Epilogue, grad, product, out, sides: list, shape, side_needs: list, product_dtype: torch.dtype,
-             a_shape, b_shape):
+             a_shape, b_shape, tile=None):
     """(dz in `shape`, [d side j or None]): the epilogue's backward from the upstream gradient
     (the reduced gradient when the epilogue reduces), the saved product and, for logsumexp, its
-    output."""
+    output. tile: (BLOCK_M, BLOCK_N, warps), default BACKWARD_TILE."""
     dev = grad.device
     plan = _backward_plan(ep, sides, shape, side_needs, product_dtype, a_shape, b_shape)
     batch, m, n = plan.batch, plan.m, plan.n
     views = [_as_3d(s.expand(shape), batch, m, n) for s in sides]
-    bm, bn, warps = INTERPRETER_BACKWARD_TILE if interpreting() else BACKWARD_TILE
+    bm, bn, warps = tile or (INTERPRETER_BACKWARD_TILE if interpreting() else BACKWARD_TILE)
     tm, tn = cdiv(m, bm), cdiv(n, bn)
     partials = [alloc((0,), torch.float32, dev) if mode is None else
                 alloc((batch, tm if mode[0] else m, tn if mode[1] else n), torch.float32, dev) for mode in plan.modes]
