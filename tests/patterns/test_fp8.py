@@ -144,3 +144,38 @@ def test_hardware_and_shape_rejections_name_the_reason():
 def test_unknown_recipe_is_a_config_error():
     with pytest.raises(ValueError, match="fp8='e4m3'"):
         fc.FusionConfig(fp8="e4m3")
+
+
+class _Head(torch.nn.Module):
+    """A projection, then the logits' linear feeding cross-entropy through a cast and a view."""
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64, bias=False)
+        self.head = torch.nn.Linear(64, 96, bias=False)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.relu(self.proj(x))).float()
+        return F.cross_entropy(logits.view(-1, 96), labels.view(-1))
+
+
+@pytest.mark.parametrize("recipe,training,head_taken", [("rowwise", True, False), ("rowwise_gw_hp", True, False),
+                                                         ("tensorwise", True, True), ("rowwise", False, True)])
+def test_logits_linear_keeps_its_dtype_under_e4m3_gradients(recipe, training, head_taken):
+    """In training under a recipe with e4m3 gradients the LM head stays in 16 bits (its gradient,
+    softmax - one-hot, underflows e4m3 within a row's scale), with the reason in its row; the other
+    linear is taken. Tensorwise (e5m2 gradients) and inference take both. The loss still matches bf16."""
+    torch.manual_seed(0)
+    m = _Head().to(torch.bfloat16)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=training)
+    labels = torch.randint(0, 96, (2, 16))
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8=recipe, fp8_emulate=True, families={"fp8"})
+    with torch.set_grad_enabled(training):
+        loss = torch.compile(m, backend=be)(x, labels)
+        ref = m(x, labels)
+    rows = {d.inputs[1]: d for d in be.log.decisions if d.pattern == "fp8_linear"}
+    head, proj = rows["bf16[96, 64]"], rows["bf16[64, 64]"]
+    assert proj.verdict == "applied"
+    assert (head.verdict == "applied") == head_taken
+    if not head_taken:
+        assert "logits" in head.reason and "e4m3" in head.reason
+    assert abs(loss.item() - ref.item()) < 0.02 * abs(ref.item())
