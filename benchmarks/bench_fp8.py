@@ -9,13 +9,16 @@ bf16 results (dB). Also the bare torch._scaled_mm rate at 8192^3 (the cost model
 quantize: the quantization kernel alone against Inductor's, the kernels of one FP8 linear, and an
 RMSNorm followed by the cast (two kernels, one, Inductor's); GB/s count 2 bytes read and 1 written an
 element (the norm: 2 read, 2 + 1 written).
-train: a small Llama (8 layers, hidden 1024, ffn 4096, vocab 2048, 8 x 512 tokens) trained `--steps`
+train: a small Llama (8 layers, hidden 1024, ffn 4096, 8 x 512 tokens) trained `--steps`
 steps with AdamW (peak lr 1e-3; --schedule cosine: linear warm-up over the first 10% of the steps, then
 cosine decay to 10% of the peak, as LLM pre-training runs; constant: lr 1e-3 throughout, the protocol of
-the runs before stop 22) from one seed on a fixed random bigram language (8 successors per token),
-bf16 under Inductor against every
-linear in FP8 (rowwise, forced; --train-modes: others, and bf16 in eager, whose distance from the
-Inductor curve is what rounding alone does), the losses saved for the plot (plot_fp8.py).
+the runs before stop 22) from one seed, on `--data`: bigram, a fixed random bigram language (vocab
+2048, 8 successors per token), or text, real text: the bytes of the installed torch package's Python
+sources (vocab 256, windows at seeded random offsets); bf16 under Inductor against every
+linear in FP8 (rowwise, the cost model off; the LM head stays in bf16 under recipes with e4m3
+gradients, patterns/fp8.py; --train-modes: others, and bf16 in eager, whose distance from the
+Inductor curve is what rounding alone does), the losses saved for the plot (plot_fp8.py). Every mode
+sees the same batches in the same order.
 """
 import argparse
 import json
@@ -173,6 +176,26 @@ def bigram_batches(steps: int, batch=8, seq=512, vocab=2048, fan_out=8, seed=0):
         yield ids
 
 
+def text_corpus() -> torch.Tensor:
+    """The bytes of the installed torch package's .py files (sorted paths), as a uint8 CUDA tensor."""
+    root = os.path.dirname(torch.__file__)
+    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
+    chunks = []
+    for path in paths:
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).to("cuda")
+
+
+def text_batches(steps: int, corpus: torch.Tensor, batch=8, seq=512, seed=0):
+    """Windows of `seq` bytes of the corpus at random offsets (one generator: the same for every mode)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    span = torch.arange(seq, device="cuda")
+    for _ in range(steps):
+        start = torch.randint(0, corpus.numel() - seq, (batch, 1), device="cuda", generator=g)
+        yield corpus[start + span].long()
+
+
 def lr_factor(step: int, steps: int, schedule: str) -> float:
     """The learning rate of `step` (0-based) as a fraction of the peak."""
     warm = max(1, steps // 10)
@@ -183,10 +206,11 @@ def lr_factor(step: int, steps: int, schedule: str) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm - 1)))
 
 
-def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: float = 1e-3) -> list:
+def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: float = 1e-3,
+          data: str = "bigram") -> list:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=256 if data == "text" else 2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
@@ -199,7 +223,8 @@ def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: 
                                                           families={"fp8"})
         fwd = torch.compile(model, backend=be)
     losses = []
-    for ids in bigram_batches(steps):
+    batches = text_batches(steps, text_corpus()) if data == "text" else bigram_batches(steps)
+    for ids in batches:
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -218,6 +243,7 @@ def main():
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    ap.add_argument("--data", choices=["bigram", "text"], default="bigram")
     ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
                     help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
     args = ap.parse_args()
@@ -238,8 +264,8 @@ def main():
     if "train" in args.parts:
         payload["train"] = {}
         for mode in args.train_modes:  # saved after each mode (a run cut short keeps what it has)
-            payload["train"][mode] = train(mode, args.steps, args.schedule, args.layers, args.lr)
-            payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr)
+            payload["train"][mode] = train(mode, args.steps, args.schedule, args.layers, args.lr, args.data)
+            payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr, data=args.data)
             save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
         base = tail(payload["train"]["bf16"])

@@ -58,8 +58,11 @@ def make_step(mode, batch=2, seq=2048):
           "fusion_fp8_norm_nofuse": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
                                                fp8_fuse_cast=False),
           "fusion_cg": fc.backend(cudagraphs=True), "fusion_fp8_rowwise_cg": fc.backend(fp8="rowwise", cudagraphs=True),
+          "fusion_fp8_tensorwise_cg": fc.backend(fp8="tensorwise", cudagraphs=True),
           "fusion_fp8_norm_cg": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
                                            cudagraphs=True)}.get(mode)
+    if be is None and mode not in ("eager", "liger", "inductor_cg"):
+        raise ValueError(f"unknown mode {mode!r}")
     if mode == "inductor_cg":
         fwd = torch.compile(model, mode="reduce-overhead")
     else:
