@@ -210,9 +210,9 @@ def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: 
           data: str = "bigram") -> list:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256 if data == "text" else 2048, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(vocab_size=256 if data == "text" else 2048, hidden_size=1024, intermediate_size=4096,
+                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                      max_position_embeddings=1024, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, steps, schedule))

@@ -15,8 +15,8 @@ scaled GEMM returns bf16 only). Linears with a bias (addmm) are left alone. In t
 that makes a softmax's logits (the LM head) keeps its dtype under recipes with e4m3 gradients: its
 output gradient, softmax - one-hot, spans more than e4m3 keeps within one row's scale (the small
 probabilities flush to zero). Measured (benchmarks/RESULTS.md, stop 29): a 4-layer Llama on text
-ended 8.7% above bf16 with its LM head in rowwise FP8; torchao's and torchtitan's float8 recipes
-leave the output projection out as well.
+ended 8.7% above bf16 with its LM head in rowwise FP8, 5.0% with it in bf16; torchao's and
+torchtitan's float8 recipes leave the output projection out as well.
 
 Per-row recipes cast a linear's input where it is made: a fusion RMSNorm or GLU writes its output's
 FP8 copy in the same kernel (their `_fp8` twins; the norm and GLU decisions credit the casts this
@@ -98,6 +98,7 @@ def _makes_logits(node: fx.Node, hops: int = 8) -> bool:
 
 
 def _logits_rule(node: fx.Node, recipe: fp8_op.Recipe, training: bool) -> str | None:
+    """Why the linear `node` keeps its dtype as a softmax's logits in training, or None."""
     if training and recipe.grad_dtype == torch.float8_e4m3fn and _makes_logits(node):
         return ("the linear makes a softmax's logits (an LM head): its output gradient, softmax - one-hot, spans "
                 "more than e4m3 keeps within a row's scale (small probabilities flush to zero); it keeps its dtype "
