@@ -154,7 +154,7 @@ class _Head(torch.nn.Module):
         self.head = torch.nn.Linear(64, 96, bias=False)
 
     def forward(self, x, labels):
-        logits = self.head(torch.relu(self.proj(x))).float()
+        logits = self.head(F.silu(self.proj(x))).float()
         return F.cross_entropy(logits.view(-1, 96), labels.view(-1))
 
 
@@ -163,7 +163,9 @@ class _Head(torch.nn.Module):
 def test_logits_linear_keeps_its_dtype_under_e4m3_gradients(recipe, training, head_taken):
     """In training under a recipe with e4m3 gradients the LM head stays in 16 bits (its gradient,
     softmax - one-hot, underflows e4m3 within a row's scale), with the reason in its row; the other
-    linear is taken. Tensorwise (e5m2 gradients) and inference take both. The loss still matches bf16."""
+    linear is taken. Tensorwise (e5m2 gradients) and inference take both. The loss and, in training,
+    every gradient still match bf16 eager (the 20 dB the emulated recipes keep; measured 24-29 dB. The
+    activation is SiLU: a relu there flips masks where FP8 rounds the product across zero, 14-16 dB)."""
     torch.manual_seed(0)
     m = _Head().to(torch.bfloat16)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=training)
@@ -179,3 +181,7 @@ def test_logits_linear_keeps_its_dtype_under_e4m3_gradients(recipe, training, he
     if not head_taken:
         assert "logits" in head.reason and "e4m3" in head.reason
     assert abs(loss.item() - ref.item()) < 0.02 * abs(ref.item())
+    if training:
+        leaves = [x, *m.parameters()]
+        for got, want in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, leaves)):
+            assert sqnr(got, want) >= 20
