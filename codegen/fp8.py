@@ -3,15 +3,17 @@ its dequantization scale.
 
     q = clamp(x * s, -MAX, MAX) in float8 (e4m3: MAX 448; e5m2: MAX 57344), s = MAX / amax,
     x ~= q / s: torch._scaled_mm takes 1 / s as the operand's scale.
-Per-row scales (rowwise recipes) are the row's amax; a per-tensor scale (tensorwise) is the amax of
-the whole matrix, reduced from per-row amaxes. By layout:
+Per-row scales (rowwise recipes, `quantize`), by layout:
 - rows contiguous (x, w, dy of the forward and dx): a row of up to ROW_MAX elements is read once,
-  its amax taken in registers and the row cast (one read, one write); longer rows and per-tensor
-  scales take an amax pass first.
+  its amax taken in registers and the row cast (one read, one write); longer rows take an amax pass
+  first.
 - rows strided, columns contiguous (the backward's w^T, dy^T, x^T: a transposed view): an amax pass
   over 2-D tiles read along the contiguous dimension (partial maxima combined with atomics, so the
   grid covers the whole matrix), then the cast over the same tiles, written transposed into the
   row-major layout _scaled_mm wants; no transposed copy in high precision.
+A per-tensor scale (tensorwise, `quantize_tensorwise`) is the same for a matrix and its transpose, so
+one cast pass writes both layouts (q and q^T, each row-major) after an amax pass: x, w and dy are each
+read twice and written twice in FP8, and the backward re-reads none of them in high precision.
 `quantize_rows_tile` is the per-row step for other kernels that hold whole rows (codegen/rmsnorm.py:
 the norm writes its output's FP8 copy in the same pass).
 """
@@ -97,18 +99,17 @@ def _row_amax_kernel(X, AMAX, R, C, s_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
 
 @fast_launch
 @triton.jit
-def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r,
-                          AMAX_PER_ROW: tl.constexpr, ONE_TILE: tl.constexpr,
+def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r, ONE_TILE: tl.constexpr,
                           FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
                           MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows contiguous. ONE_TILE and AMAX_PER_ROW: the row's amax from the one read (AMAX unused);
-    else the scale from AMAX[r] (AMAX_PER_ROW) or AMAX[0] (per tensor). INV: per row, or INV[0]."""
+    """Rows contiguous, a scale per row. ONE_TILE: the row's amax from the one read (AMAX unused);
+    else from AMAX[r]."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     base = X + rows[:, None].to(tl.int64) * s_r
     out = Q + rows[:, None].to(tl.int64) * C
-    if ONE_TILE and AMAX_PER_ROW:
+    if ONE_TILE:
         cols = tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < C)[None, :]
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -116,15 +117,8 @@ def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r,
         tl.store(out + cols[None, :], q, mask=mask)
         tl.store(INV + rows, inv, mask=row_mask)
     else:
-        if AMAX_PER_ROW:
-            amax = tl.load(AMAX + rows, mask=row_mask, other=0.0)
-        else:
-            amax = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(AMAX)
-        scale = _scale(amax, FP8_MAX)
-        if AMAX_PER_ROW:
-            tl.store(INV + rows, 1.0 / scale, mask=row_mask)
-        elif tl.program_id(0) == 0:
-            tl.store(INV, tl.max(1.0 / scale, 0))
+        scale = _scale(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
+        tl.store(INV + rows, 1.0 / scale, mask=row_mask)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < C)[None, :]
@@ -151,7 +145,7 @@ def _strided_amax_kernel(X, AMAX, R, C, s_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.
 
 @fast_launch
 @triton.jit
-def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c, AMAX_PER_ROW: tl.constexpr,
+def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c,
                              FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
                              MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -160,19 +154,51 @@ def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c, AMAX_PER_ROW: tl.conste
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < R
     mask = row_mask[:, None] & (cols < C)[None, :]
-    if AMAX_PER_ROW:
-        amax = tl.load(AMAX + rows, mask=row_mask, other=0.0)
-    else:
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(AMAX)
-    scale = _scale(amax, FP8_MAX)
+    scale = _scale(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
     if tl.program_id(1) == 0:
-        if AMAX_PER_ROW:
-            tl.store(INV + rows, 1.0 / scale, mask=row_mask)
-        elif tl.program_id(0) == 0:
-            tl.store(INV, tl.max(1.0 / scale, 0))
+        tl.store(INV + rows, 1.0 / scale, mask=row_mask)
     x = tl.load(X + rows[:, None] + cols[None, :].to(tl.int64) * s_c, mask=mask, other=0.0).to(tl.float32)
     q = cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
     tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+
+
+@fast_launch
+@triton.jit
+def _amax_partial_kernel(X, PARTIAL, R, C, s_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """PARTIAL[p] = max |X| over row blocks p, p + P, p + 2P, ... (P programs); rows contiguous."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for r0 in range(pid * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        base = X + rows[:, None].to(tl.int64) * s_r
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            x = tl.load(base + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.store(PARTIAL + pid, tl.max(tl.max(acc, 1), 0))
+
+
+@fast_launch
+@triton.jit
+def _cast_both_kernel(X, Q, QT, INV, PARTIAL, n_partial, R, C, s_r, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                      FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+                      MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One BLOCK_R x BLOCK_C tile of X (rows contiguous) cast with the scale of max(PARTIAL), stored
+    at Q[r, c] and at QT[c, r] (both row-major); INV = the dequantization scale."""
+    p = tl.arange(0, BLOCK_P)
+    scale = _scale(tl.max(tl.load(PARTIAL + p, mask=p < n_partial, other=0.0), 0), FP8_MAX)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(INV, 1.0 / scale)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None].to(tl.int64) * s_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = cast(x, scale, FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
+    if WRITE_Q:
+        tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
+    if WRITE_QT:
+        tl.store(QT + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
 
 
 # the strided layout's tiles: (BLOCK_R along the contiguous dimension, BLOCK_C, amax CHUNK, warps);
@@ -180,16 +206,17 @@ def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c, AMAX_PER_ROW: tl.conste
 STRIDED_TILES = (64, 128, 256, 4)
 
 
-def quantize_strided(x, q, inv, per_row: bool, dtype: torch.dtype, tiles=None) -> None:
-    """q, inv <- the cast of x [R, C] whose rows are strided and columns contiguous (x.stride(0) == 1)."""
+def quantize_strided(x, q, inv, dtype: torch.dtype, tiles=None) -> None:
+    """q, inv <- the per-row cast of x [R, C] whose rows are strided and columns contiguous
+    (x.stride(0) == 1)."""
     rows, cols = x.shape
     block_r, block_c, chunk, warps = (32, 64, 64, 4) if interpreting() else (tiles or STRIDED_TILES)
     amax = torch.zeros((rows,), dtype=torch.float32, device=x.device)
     _strided_amax_kernel[(cdiv(rows, block_r), cdiv(cols, chunk))](
         x, amax, rows, cols, x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk, num_warps=warps)
     _quantize_strided_kernel[(cdiv(rows, block_r), cdiv(cols, block_c))](
-        x, q, inv, amax if per_row else amax.amax(), rows, cols, x.stride(1), AMAX_PER_ROW=per_row,
-        **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        x, q, inv, amax, rows, cols, x.stride(1), **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps)
 
 
 def _row_tiles(cols: int) -> tuple[int, int, int]:
@@ -202,17 +229,17 @@ def _row_tiles(cols: int) -> tuple[int, int, int]:
     return max(1, 8192 // block_c), block_c, (8 if block_c >= 4096 else 4)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [R, C] row-major in `dtype`, dequantization scale [R, 1] per row or [] per tensor, fp32) of
-    the 2-D x (any strides)."""
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [R, C] row-major in `dtype`, dequantization scale [R, 1] per row, fp32) of the 2-D x (any
+    strides)."""
     rows, cols = x.shape
     q = alloc((rows, cols), dtype, x.device)
-    inv = alloc((rows, 1) if per_row else (), torch.float32, x.device)
+    inv = alloc((rows, 1), torch.float32, x.device)
     if rows == 0 or cols == 0:
         inv.fill_(EPS / MAX[dtype])
         return q, inv
     if x.stride(1) != 1 and x.stride(0) == 1:
-        quantize_strided(x, q, inv, per_row, dtype)
+        quantize_strided(x, q, inv, dtype)
         return q, inv
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -220,19 +247,59 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.
     grid = (cdiv(rows, block_r),)
     one_tile = block_c >= cols
     amax = inv
-    if not (per_row and one_tile):
+    if not one_tile:
         amax = alloc((rows,), torch.float32, x.device)
         _row_amax_kernel[grid](x, amax, rows, cols, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-        if not per_row:
-            amax = amax.amax()
-    _quantize_rows_kernel[grid](x, q, inv, amax, rows, cols, x.stride(0), AMAX_PER_ROW=per_row, ONE_TILE=one_tile,
+    _quantize_rows_kernel[grid](x, q, inv, amax, rows, cols, x.stride(0), ONE_TILE=one_tile,
                                 **cast_args(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return q, inv
 
 
-def quantize_reference(x: torch.Tensor, dtype: torch.dtype, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in torch ops (the emulation path and the tests' reference)."""
     xf = x.float()
-    amax = xf.abs().amax(1, keepdim=True) if per_row else xf.abs().amax()
-    scale = MAX[dtype] / amax.clamp(min=EPS)
+    scale = MAX[dtype] / xf.abs().amax(1, keepdim=True).clamp(min=EPS)
     return (xf * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), 1.0 / scale
+
+
+# per-tensor scales: (BLOCK_R, BLOCK_C, warps) of the cast tiles; the amax pass's program count cap
+TENSOR_TILES = (128, 128, 8)
+AMAX_PROGRAMS = 1024
+
+
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, rows: bool = True,
+                        transposed: bool = True) -> tuple:
+    """(q [R, C] or None, q^T [C, R] or None, dequantization scale [] fp32) of the 2-D x with one
+    scale for the whole matrix: an amax pass, then one cast pass writing the layouts asked for
+    (q^T row-major is the transpose's own cast: the same scale, the same rounding)."""
+    n_rows, n_cols = x.shape
+    q = alloc((n_rows, n_cols), dtype, x.device) if rows else None
+    qt = alloc((n_cols, n_rows), dtype, x.device) if transposed else None
+    inv = alloc((), torch.float32, x.device)
+    if n_rows == 0 or n_cols == 0:
+        inv.fill_(EPS / MAX[dtype])
+        return q, qt, inv
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_c = min(next_pow2(n_cols), 256 if interpreting() else 1024)
+    block_r = max(1, (4096 if interpreting() else 8192) // block_c)
+    programs = min(cdiv(n_rows, block_r), 16 if interpreting() else AMAX_PROGRAMS)
+    partial = alloc((programs,), torch.float32, x.device)
+    _amax_partial_kernel[(programs,)](x, partial, n_rows, n_cols, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+                                      num_warps=8 if block_r * block_c >= 8192 else 4)
+    tile_r, tile_c, warps = (32, 64, 4) if interpreting() else TENSOR_TILES
+    out = q if q is not None else qt
+    _cast_both_kernel[(cdiv(n_rows, tile_r), cdiv(n_cols, tile_c))](
+        x, out, qt if qt is not None else out, inv, partial, programs, n_rows, n_cols, x.stride(0),
+        WRITE_Q=rows, WRITE_QT=transposed, **cast_args(dtype), BLOCK_R=tile_r, BLOCK_C=tile_c,
+        BLOCK_P=next_pow2(programs), num_warps=warps)
+    return q, qt, inv
+
+
+def quantize_tensorwise_reference(x: torch.Tensor, dtype: torch.dtype, rows: bool = True,
+                                  transposed: bool = True) -> tuple:
+    """The same in torch ops."""
+    xf = x.float()
+    scale = MAX[dtype] / xf.abs().amax().clamp(min=EPS)
+    q = (xf * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    return q if rows else None, q.t().contiguous() if transposed else None, 1.0 / scale

@@ -580,12 +580,14 @@ def _unfused_moe_s(shape: dict, flops: float, spelling: float, ctx: CostContext)
 def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool, ctx: CostContext,
                         x_cast: str = "own", readers: int = 1) -> Estimate:
     """x [m, k] @ w [n, k]^T (and in training dx and dW) as FP8 GEMMs against cuBLAS in the operands'
-    dtype. FP8 adds quantization passes: each operand read (per-tensor scales: twice, an amax pass
-    first) and written as FP8 bytes, in training also w along N and dy, x along M for the backward;
-    and the host overhead per GEMM measured on a whole train step (DeviceProfile.fp8_overhead_s), not
-    paid where the step is replayed as CUDA graphs (ctx.replayed).
+    dtype. FP8 adds quantization passes, and the host overhead per GEMM measured on a whole train step
+    (DeviceProfile.fp8_overhead_s), not paid where the step is replayed as CUDA graphs (ctx.replayed):
+    - per-row scales: each operand read once and written as FP8 bytes, in training also w along N and
+      dy, x along M for the backward (longer rows' amax passes are not counted);
+    - a per-tensor scale: x, w and (training) dy each read twice (an amax pass, then the cast) and
+      written once per layout (two in training: the backward takes the transposes' FP8 bytes).
     x's forward cast: "own" (this linear's pass), "shared" (one pass for the `readers` linears of x)
-    or "fused" (the FP8 copy written by x's producer: only its bytes, shared by the readers)."""
+    or "fused" (per-row: the FP8 copy written by x's producer: only its bytes, shared by the readers)."""
     p = ctx.profile
     if not p.fp8_flops:
         base = 0.0
@@ -599,13 +601,16 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
     high = sum(gemm_s(p.matmul_flops, p.gemm[1], *mnk, element_size) for mnk in products)
     low = sum(gemm_s(p.fp8_flops, 1.0, *mnk, 1) for mnk in products)
     moved = sum(mm * kk + nn * kk + mm * nn for mm, nn, kk in products)
-    operands = [n * k] + ([m * n, m * n, n * k, m * k] if ctx.training else [])
-    reads = 1 if per_row else 2
+    if per_row:  # w; in training dy by rows and by columns, w^T, x^T
+        operands, passes, each = [n * k] + ([m * n, m * n, n * k, m * k] if ctx.training else []), 1, element_size + 1
+    else:  # w; in training dy: both layouts from one cast
+        operands, passes = [n * k] + ([m * n] if ctx.training else []), 2
+        each = 2 * element_size + (2 if ctx.training else 1)
     share = 1 if x_cast == "own" else readers
-    x_bytes = m * k * (1 if x_cast == "fused" else reads * element_size + 1) / share
-    quant_bytes = int(sum(operands) * (reads * element_size + 1) + x_bytes)
+    x_bytes = m * k * (1 if x_cast == "fused" else each) / share
+    quant_bytes = int(sum(operands) * each + x_bytes)
     launches = len(operands) + (0 if x_cast == "fused" else 1 / share)
-    quant = quant_bytes / (p.bandwidth * p.default_efficiency) + launches * (1 if per_row else 2) * p.launch_s
+    quant = quant_bytes / (p.bandwidth * p.default_efficiency) + launches * passes * p.launch_s
     quant += 0.0 if ctx.replayed else len(products) * p.fp8_overhead_s
     return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,
                     f"{len(products)} GEMM(s) of {m}x{n}x{k}: FP8 {low * 1e6:.1f} us + quantization and overhead {quant * 1e6:.1f} us "

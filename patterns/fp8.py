@@ -2,7 +2,10 @@
 they pay.
 
     before:  y = F.linear(x, w)                              (mm(x, w.t()), 2-D after F.linear's view)
-    after:   y = fusion.fp8_linear(x, w, recipe, emulate)     (forward, dx and dW in FP8: ops/fp8.py)
+    after:   y = fusion.fp8_linear(x, w, recipe, emulate)     (per-row recipes: forward, dx and dW in FP8)
+             qx, qx_t, sx = fusion.fp8_quantize_tensorwise(x, training, emulate)   (tensorwise: one cast
+             qw, qw_t, sw = fusion.fp8_quantize_tensorwise(w, training, emulate)    of each x and w, both
+             y = fusion.fp8_linear_tensorwise(x, w, qx, qx_t, sx, qw, qw_t, sw, emulate)   layouts; ops/fp8.py)
 
 Per GEMM, `cost.estimate_fp8_linear` weighs the FP8 GEMMs (at the card's measured FP8 rate, with
 their tile waves) plus the quantization passes (each operand read once and written in FP8, both
@@ -20,7 +23,8 @@ torchtitan's float8 recipes leave the output projection out as well.
 
 Per-row recipes cast a linear's input where it is made: a fusion RMSNorm or GLU writes its output's
 FP8 copy in the same kernel (their `_fp8` twins; the norm and GLU decisions credit the casts this
-saves, `with_cast_credit`), and an input several linears read is cast once for all of them.
+saves, `with_cast_credit`). Under every recipe an input several linears read is cast once for all
+of them (tensorwise: a weight too).
 
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
@@ -41,7 +45,7 @@ from fusion_compiler.patterns.checks import float_dtype, one_device
 from fusion_compiler.patterns.gemm_horizontal import linear_operands
 
 DESCRIPTOR = types.SimpleNamespace(name="fp8_linear", family="fp8")
-KERNEL = "fusion::fp8_linear"
+KERNELS = {True: "fusion::fp8_linear", False: "fusion::fp8_linear_tensorwise"}  # by the recipe's per_row
 MIN_CAPABILITY = (8, 9)
 aten = torch.ops.aten
 
@@ -106,11 +110,11 @@ def _logits_rule(node: fx.Node, recipe: fp8_op.Recipe, training: bool) -> str | 
     return None
 
 
-def _row(gid, node, verdict, reason, inputs, estimate=None) -> Decision:
+def _row(gid, node, verdict, reason, inputs, estimate=None, per_row=True) -> Decision:
     return Decision(gid, DESCRIPTOR.name, DESCRIPTOR.family, verdict, reason, location(node),
                     tuple(describe(v) for v in inputs),
                     bytes_saved=estimate.bytes_saved if estimate else None,
-                    time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel=KERNEL)
+                    time_saved_us=round(estimate.time_saved_s * 1e6, 2) if estimate else None, kernel=KERNELS[per_row])
 
 
 # the kernels that can also write their output's FP8 copy (by rows), and their twins that do
@@ -217,19 +221,20 @@ def with_cast_credit(estimate: cost.Estimate, y: fx.Node, config, needs_grad: se
 
 
 def _cast_plans(taken: list, config) -> dict:
-    """Per-row recipes: where each taken linear's input gets its FP8 copy. Keyed by the input's
-    source (the tensor before F.linear's view): ("fused", producer node, readers) when a fusion
-    RMSNorm or GLU produced it (`_producer`), ("shared", first reader's mm node, readers) when two or
-    more linears read it, else absent (the linear casts x itself). `taken` holds (mm node, input,
-    weight) in graph order."""
-    if not (fp8_op.recipe(config.fp8).per_row and config.fp8_fuse_cast):
+    """Where each taken linear's input gets its FP8 copy. Keyed by the input's source (the tensor
+    before F.linear's view): ("fused", producer node, readers) when a fusion RMSNorm or GLU produced it
+    (`_producer`; per-row recipes), ("shared", first reader's mm node, readers) when two or more
+    linears read it, else absent (the linear casts x itself). `taken` holds (mm node, input, weight)
+    in graph order. Per-row recipes with FusionConfig(fp8_fuse_cast=False): none."""
+    per_row = fp8_op.recipe(config.fp8).per_row
+    if per_row and not config.fp8_fuse_cast:
         return {}
     groups: dict = {}
     for node, a, w in taken:
         groups.setdefault(_key(a), []).append(node)
     plans = {}
     for key, readers in groups.items():
-        producer = _producer(key)
+        producer = _producer(key) if per_row else None
         if producer is not None:
             plans[key] = ("fused", producer, len(readers))
         elif len(readers) > 1:
@@ -290,6 +295,60 @@ def _plan_note(plan) -> str:
     return f"; x cast to FP8 once for the {n} linears that read it"
 
 
+def _emit_rowwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs_grad: set):
+    """(mm node, its fp8_linear call) of each linear taken, the planned casts emitted first."""
+    casts = _emit_casts(gm, plans, config)
+    for node, a, w, _ in taken:
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.ops.fusion.fp8_linear.default,
+                                          (a, w, config.fp8, config.fp8_emulate, *casts.get(_key(a), ())))
+        call.meta["val"] = val(node)
+        yield node, call
+
+
+def _emit_tensorwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs_grad: set):
+    """(mm node, its fp8_linear_tensorwise call) of each linear taken: one fp8_quantize_tensorwise per
+    input source and per weight, before the first linear reading it, with the transposed layout when
+    one of its readers is differentiated."""
+    readers: dict = {}
+    for node, a, w, _ in taken:
+        for key in (_key(a), w):
+            readers.setdefault(key, []).append(node)
+    casts = {}
+    for node, a, w, _ in taken:
+        for key, operand in ((_key(a), a), (w, w)):
+            if key not in casts:
+                transposed = any(r in needs_grad for r in readers[key])
+                casts[key] = _quantize_tensorwise(gm.graph, node, key if key is operand else None, operand,
+                                                  transposed, config.fp8_emulate)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.ops.fusion.fp8_linear_tensorwise.default,
+                                          (a, w, *casts[_key(a)], *casts[w], config.fp8_emulate))
+        call.meta["val"] = val(node)
+        yield node, call
+
+
+def _quantize_tensorwise(graph: fx.Graph, before: fx.Node, operand: fx.Node | None, rows_of: fx.Node,
+                         transposed: bool, emulate: bool) -> tuple:
+    """(q, q_t, scale) nodes of one fp8_quantize_tensorwise inserted before `before`: of `operand`
+    (2-D), or of the rows of `rows_of`'s source (a view [-1, K] of it, shared by its readers)."""
+    if operand is None:
+        src = _key(rows_of)
+        with graph.inserting_before(before):
+            operand = graph.call_function(aten.view.default, (src, [-1, val(src).shape[-1]]))
+        operand.meta["val"] = val(src).view(-1, val(src).shape[-1])
+    op = torch.ops.fusion.fp8_quantize_tensorwise.default
+    with graph.inserting_before(before):
+        call = graph.call_function(op, (operand, transposed, emulate))
+    call.meta["val"] = op(val(operand), transposed, emulate)
+    outs = []
+    for i in range(3):
+        with graph.inserting_before(before):
+            outs.append(graph.call_function(operator.getitem, (call, i)))
+        outs[-1].meta["val"] = call.meta["val"][i]
+    return tuple(outs)
+
+
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     """Rewrite every bias-free linear that is legal and pays; one decision row each."""
     if config.fp8 is None or not config.enables(DESCRIPTOR):
@@ -305,7 +364,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         a, w, _ = found
         why = _legal(val(a), val(w), config.fp8, config.fp8_emulate) or _logits_rule(node, recipe, node in needs_grad)
         if why:
-            log.add(_row(gid, node, "rejected", why, [val(a), val(w)]))
+            log.add(_row(gid, node, "rejected", why, [val(a), val(w)], per_row=recipe.per_row))
             continue
         legal.append((node, a, w))
     plans = _cast_plans(legal, config)
@@ -318,29 +377,28 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
                                             recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
                                             readers=plan[2] if plan else 1)
         if config.cost_model == "roofline" and not estimate.profitable:
-            log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate))
+            log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate,
+                         recipe.per_row))
             continue
         taken.append((node, a, w, estimate))
     # the casts planned for the linears taken (a plan that lost readers to the cost model is re-made)
     plans = _cast_plans([(node, a, w) for node, a, w, _ in taken], config)
     keys = {node: _key(a) for node, a, _, _ in taken}
-    casts = _emit_casts(gm, plans, config)
-    for node, a, w, estimate in taken:
-        x_val, w_val = val(a), val(w)
-        q_scale = casts.get(keys[node], ())
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(torch.ops.fusion.fp8_linear.default,
-                                          (a, w, config.fp8, config.fp8_emulate, *q_scale))
-        call.meta["val"] = val(node)
+    emit = _emit_rowwise if recipe.per_row else _emit_tensorwise
+    calls = {}
+    for node, call in emit(gm, taken, plans, config, needs_grad):
         if "stack_trace" in node.meta:
             call.meta["stack_trace"] = node.meta["stack_trace"]
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
+        calls[node] = call
+    for node, a, w, estimate in taken:
+        x_val, w_val = val(a), val(w)
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
-        log.add(_row(gid, call, "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}",
-                     [x_val, w_val], estimate))
+        log.add(_row(gid, calls[node], "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}",
+                     [x_val, w_val], estimate, recipe.per_row))
     if taken:
         gm.graph.eliminate_dead_code()
         gm.recompile()

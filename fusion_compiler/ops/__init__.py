@@ -23,7 +23,11 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
                                                             -> (epilogue(a @ b), a @ b or empty): one
                                                             GEMM kernel with the chain in its epilogue
     torch.ops.fusion.fp8_linear(x, w, recipe, emulate)      -> x @ w^T with all three training GEMMs in
-                                                            FP8 (dynamic per-row or per-tensor scales)
+                                                            FP8 (dynamic per-row scales)
+    torch.ops.fusion.fp8_quantize_tensorwise(t, transposed, emulate) -> (t and t^T in e4m3, scale [])
+    torch.ops.fusion.fp8_linear_tensorwise(x, w, <casts of x and w>, emulate)
+                                                            -> x @ w^T in FP8 (per-tensor scales); its
+                                                            backward reads only the FP8 transposes
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
                                                             -> (routed experts' sum, saved a1, h, perm,
                                                             offsets, rows): grouped GEMMs over sorted rows

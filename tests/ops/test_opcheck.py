@@ -75,9 +75,13 @@ def test_opcheck_fp8_ops():
     x, w = _p(32, 48, dtype=bf16), _p(16, 48, dtype=bf16)
     q, scale = fusion.fp8_quantize_rows(x.detach(), True)
     checks = ("test_autograd_registration", "test_faketensor")
-    for args in [(x, w, "rowwise", True), (x, w, "tensorwise", True), (x, w, "rowwise", True, q, scale)]:
+    for args in [(x, w, "rowwise", True), (x, w, "rowwise", True, q, scale)]:
         torch.library.opcheck(fusion.fp8_linear, args, test_utils=checks + ("test_aot_dispatch_dynamic",))
-    for op, args in [(fusion.fp8_quantize_rows, (x, True)),
+    casts = [fusion.fp8_quantize_tensorwise(t.detach(), True, True) for t in (x, w)]
+    torch.library.opcheck(fusion.fp8_linear_tensorwise, (x, w, *casts[0], *casts[1], True),
+                          test_utils=checks + ("test_aot_dispatch_dynamic",))
+    for op, args in [(fusion.fp8_quantize_rows, (x, True)), (fusion.fp8_quantize_tensorwise, (x, True, True)),
+                     (fusion.fp8_quantize_tensorwise, (x, False, True)),
                      (fusion.rms_norm_fp8, (_p(3, 5, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
                      (fusion.add_rms_norm_fp8, (_p(3, 40, dtype=bf16), _p(3, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
                      (fusion.glu_fp8, (_p(3, 5, 40, dtype=bf16), _p(3, 5, 40, dtype=bf16), "silu")),

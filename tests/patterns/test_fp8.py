@@ -33,7 +33,7 @@ def test_emulated_recipes_keep_20_db(recipe):
     x, w, dy = _operands()
     ref = F.linear(x, w)
     ref_dx, ref_dw = torch.autograd.grad(ref, [x, w], dy)
-    y = torch.ops.fusion.fp8_linear(x, w, recipe, True)
+    y = op.linear(x, w, recipe, True)
     dx, dw = torch.autograd.grad(y, [x, w], dy)
     assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
     assert sqnr(y, ref) >= 25 and sqnr(dx, ref_dx) >= 22 and sqnr(dw, ref_dw) >= 22
@@ -41,27 +41,70 @@ def test_emulated_recipes_keep_20_db(recipe):
         assert torch.equal(dw, ref_dw)
 
 
-@pytest.mark.parametrize("per_row", [True, False])
+def _within_one_step(q, inv, ref_q, ref_inv, dtype):
+    """Dequantized q within one FP8 step of the reference's (the kernels round on the grid; torch's
+    cast may differ on exact ties), finite and in range."""
+    mantissa = 3 if dtype == torch.float8_e4m3fn else 2
+    step = 2.0 ** -mantissa  # one mantissa step, relative; below the normal range an absolute step
+    subnormal_step = torch.finfo(dtype).smallest_normal * step
+    deq, ref_deq = q.float() * inv, ref_q.float() * ref_inv
+    assert ((deq - ref_deq).abs() <= step * ref_deq.abs() + subnormal_step * ref_inv + 1e-6).all()
+    assert torch.isfinite(deq).all() and (q.float().abs() <= kernels.MAX[dtype]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_quantize_kernel_matches_torch(per_row, dtype):
-    """Transposed input too (the backward's w^T, dy^T, x^T); rows cast after one read and rows longer
-    than a tile (an amax pass first), strided rows over several amax chunks. Within one FP8 step of
-    torch's rounding (the kernels round on the grid; torch's cast may differ on exact ties)."""
+def test_quantize_kernel_matches_torch(dtype):
+    """Per-row scales. Transposed input too (the backward's w^T, dy^T, x^T); rows cast after one read
+    and rows longer than a tile (an amax pass first), strided rows over several amax chunks."""
     x = torch.randn(37, 70, dtype=torch.bfloat16) * 3
     x[5] = 0  # an all-zero row gets a finite scale
     long = torch.randn(150, 300, dtype=torch.bfloat16)
     long[:, 7] = 0  # an all-zero column: a zero row of the transposed view
     for t in (x, x.t(), long, long.t(), long[:, ::2]):
-        q, inv = kernels.quantize(t, dtype, per_row)
-        ref_q, ref_inv = kernels.quantize_reference(t, dtype, per_row)
+        q, inv = kernels.quantize(t, dtype)
+        ref_q, ref_inv = kernels.quantize_reference(t, dtype)
         assert q.dtype == dtype and q.shape == t.shape and q.is_contiguous()
         assert torch.allclose(inv, ref_inv, rtol=1e-6)
-        mantissa = 3 if dtype == torch.float8_e4m3fn else 2
-        step = 2.0 ** -mantissa  # one mantissa step, relative; below the normal range an absolute step
-        subnormal_step = torch.finfo(dtype).smallest_normal * step
-        deq, ref_deq = q.float() * inv, ref_q.float() * ref_inv
-        assert ((deq - ref_deq).abs() <= step * ref_deq.abs() + subnormal_step * ref_inv + 1e-6).all()
-        assert torch.isfinite(deq).all() and (q.float().abs() <= kernels.MAX[dtype]).all()
+        _within_one_step(q, inv, ref_q, ref_inv, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_tensorwise_quantize_writes_both_layouts(dtype):
+    """A per-tensor scale: q and q^T (row-major) from one cast, the scale from amax partials over
+    several programs (rows wider than a tile, a column-strided input, one layout alone); q^T is
+    exactly the transpose of q, and both match torch. An all-zero matrix gets a finite scale."""
+    wide = torch.randn(150, 300, dtype=torch.bfloat16) * 3
+    wide[17, 5] = 40.0  # the amax sits in one program's rows
+    for t in (torch.randn(37, 70, dtype=torch.float32), wide, wide.t(), wide[:, ::2],
+              torch.zeros(24, 40, dtype=torch.bfloat16)):
+        q, qt, inv = kernels.quantize_tensorwise(t, dtype)
+        ref_q, _, ref_inv = kernels.quantize_tensorwise_reference(t, dtype)
+        assert q.shape == t.shape and qt.shape == t.t().shape and q.is_contiguous() and qt.is_contiguous()
+        assert inv.shape == () and torch.allclose(inv, ref_inv, rtol=1e-6) and torch.isfinite(inv)
+        assert torch.equal(qt.float(), q.float().t())
+        _within_one_step(q, inv, ref_q, ref_inv, dtype)
+    q, qt, _ = kernels.quantize_tensorwise(wide, dtype)
+    no_q, qt_alone, _ = kernels.quantize_tensorwise(wide, dtype, rows=False)
+    assert no_q is None and torch.equal(qt_alone.float(), qt.float())
+
+
+def test_tensorwise_backward_reads_only_fp8():
+    """The tensorwise linear saves q(x)^T and q(w)^T (FP8 bytes, not x and w) and computes the
+    recipe's products: y = q(x) q(w)^T, dx = q(dy) q(w), dW = q(dy)^T q(x), dy cast to e5m2 per
+    tensor (fp32 products of the dequantized casts as the reference; >= 40 dB, the bf16 rounding of
+    the outputs, where an e4m3 dy or another scale would be ~25 dB off)."""
+    x, w, dy = _operands(64, 96, 80)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = op.linear(x, w, "tensorwise", True)
+    assert {t.dtype for t in saved} <= {torch.float8_e4m3fn, torch.float32}
+    dx, dw = torch.autograd.grad(y, [x, w], dy)
+    ref = {name: kernels.quantize_tensorwise(t.detach(), dtype)
+           for name, t, dtype in (("x", x, torch.float8_e4m3fn), ("w", w, torch.float8_e4m3fn),
+                                  ("dy", dy, torch.float8_e5m2))}
+    deq = {name: q.float() * s for name, (q, _, s) in ref.items()}
+    for got, want in ((y, deq["x"] @ deq["w"].t()), (dx, deq["dy"] @ deq["w"]), (dw, deq["dy"].t() @ deq["x"])):
+        assert got.dtype == torch.bfloat16 and sqnr(got, want) >= 40
 
 
 class MLP(torch.nn.Module):
