@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import fusion_compiler as fc
 from common import bench_gpu_ms, env, kernels_ms, save, table
+from fusion_compiler.ops import fp8 as fp8_op
 
 SHAPES = {"4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192), "llama8b_up": (8192, 14336, 4096),
           "llama8b_down": (8192, 4096, 14336)}
@@ -53,7 +54,7 @@ def linear_rows() -> list:
         flops = 2.0 * m * n * k
         impls = {"bf16": lambda: F.linear(x, w)}
         for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp"):
-            impls[f"fp8_{recipe}"] = (lambda r: lambda: torch.ops.fusion.fp8_linear(x, w, r, False))(recipe)
+            impls[f"fp8_{recipe}"] = (lambda r: lambda: fp8_op.linear(x, w, r, False))(recipe)
         for label, fn in impls.items():
             y = fn()
             dx, dw = torch.autograd.grad(y, [x, w], dy)
@@ -76,28 +77,34 @@ def linear_rows() -> list:
 
 
 def quantize_rows() -> list:
-    """The quantization kernel alone (codegen/fp8.quantize) against Inductor compiling the same math
-    (kernels.quantize_reference), on the reference Llama step's operands, row-major and transposed (the
-    backward's layouts); GB/s counts 2 bytes read and 1 written an element."""
+    """The quantization kernels alone against Inductor compiling the same math from torch ops, on the
+    reference Llama step's operands: per-row scales (codegen/fp8.quantize, row-major and transposed:
+    the backward's layouts; GB/s counts 2 bytes read and 1 written an element) and a per-tensor scale
+    (quantize_tensorwise, both layouts from one cast: 2 + 2 read (the amax pass), 1 + 1 written)."""
     from fusion_compiler.codegen import fp8 as kernels
     rows = []
-    inductor = torch.compile(kernels.quantize_reference)
-    for r, c in ((4096, 2048), (4096, 8192), (8192, 2048)):
+    e4m3 = torch.float8_e4m3fn
+    inductor = {"row": torch.compile(kernels.quantize_reference),
+                "tensor": torch.compile(kernels.quantize_tensorwise_reference)}
+    ours = {"row": kernels.quantize, "tensor": kernels.quantize_tensorwise}
+    for r, c in ((4096, 2048), (4096, 8192), (8192, 2048), (4096, 128256)):
         base = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
-        for layout, t in (("rows", base), ("transposed", base.t())):
-            for per_row in (True, False):
-                q, inv = kernels.quantize(t, torch.float8_e4m3fn, per_row)  # checked before it is timed
-                ref_q, ref_inv = kernels.quantize_reference(t, torch.float8_e4m3fn, per_row)
-                deq, ref_deq = q.float() * inv, ref_q.float() * ref_inv
-                assert torch.allclose(inv, ref_inv, rtol=1e-6) and q.is_contiguous() and q.shape == t.shape
-                step = 2.0 ** -3 * ref_deq.abs() + 2.0 ** -9 * ref_inv  # one e4m3 step (subnormal: absolute)
-                assert ((deq - ref_deq).abs() <= step * 1.001).all(), (layout, per_row)
-                for impl, fn in (("ours", kernels.quantize), ("inductor", inductor)):
-                    ms = bench_gpu_ms(lambda: fn(t, torch.float8_e4m3fn, per_row))
-                    row = dict(shape=f"{tuple(t.shape)}", layout=layout, scale="row" if per_row else "tensor",
-                               impl=impl, ms=round(ms, 4), gbps=round(3 * r * c / ms / 1e6))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        for layout, t, scale in (("rows", base, "row"), ("transposed", base.t(), "row"), ("both", base, "tensor")):
+            got, want = ours[scale](t, e4m3), inductor[scale](t, e4m3)  # checked before they are timed
+            (q, inv), (ref_q, ref_inv) = (got[::2], want[::2]) if scale == "tensor" else (got, want)
+            if scale == "tensor":
+                assert torch.equal(got[1].float(), q.float().t())
+            deq, ref_deq = q.float() * inv, ref_q.float() * ref_inv
+            assert torch.allclose(inv, ref_inv, rtol=1e-6) and q.is_contiguous() and q.shape == t.shape
+            step = 2.0 ** -3 * ref_deq.abs() + 2.0 ** -9 * ref_inv  # one e4m3 step (subnormal: absolute)
+            assert ((deq - ref_deq).abs() <= step * 1.001).all(), (layout, scale)
+            moved = 3 * r * c if scale == "row" else 6 * r * c
+            for impl, fn in (("ours", ours[scale]), ("inductor", inductor[scale])):
+                ms = bench_gpu_ms(lambda: fn(t, e4m3))
+                row = dict(shape=f"{tuple(t.shape)}", layout=layout, scale=scale, impl=impl, ms=round(ms, 4),
+                           gbps=round(moved / ms / 1e6))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -110,21 +117,21 @@ def producer_cast_rows() -> list:
     rows = []
 
     def cast(y):
-        return kernels.quantize_reference(y.view(-1, y.shape[-1]), torch.float8_e4m3fn, True)
+        return kernels.quantize_reference(y.view(-1, y.shape[-1]), torch.float8_e4m3fn)
     norm_math = torch.compile(lambda x, w: (lambda y: (y, *cast(y)))(F.rms_norm(x, (x.shape[-1],), w, 1e-6)))
     glu_math = torch.compile(lambda g, u: (lambda y: (y, *cast(y)))(F.silu(g) * u))
     for m, n in ((4096, 2048), (8192, 4096)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
         impls = {"norm + cast (ours, 2 kernels)": lambda: kernels.quantize(torch.ops.fusion.rms_norm(x, w, 1e-6)[0],
-                                                                           torch.float8_e4m3fn, True),
+                                                                           torch.float8_e4m3fn),
                  "rms_norm_fp8 (ours, 1 kernel)": lambda: torch.ops.fusion.rms_norm_fp8(x, w, 1e-6),
                  "inductor (norm + cast)": lambda: norm_math(x, w)}
         rows += _timed_rows(impls, f"{m}x{n}", m * n * (2 + 2 + 1))
     for m, n in ((4096, 8192), (8192, 14336)):
         g, u = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         impls = {"glu + cast (ours, 2 kernels)": lambda: kernels.quantize(torch.ops.fusion.glu(g, u, "silu"),
-                                                                          torch.float8_e4m3fn, True),
+                                                                          torch.float8_e4m3fn),
                  "glu_fp8 (ours, 1 kernel)": lambda: torch.ops.fusion.glu_fp8(g, u, "silu"),
                  "inductor (silu(g) * u + cast)": lambda: glu_math(g, u)}
         rows += _timed_rows(impls, f"glu {m}x{n}", m * n * (2 + 2 + 2 + 1))
@@ -147,7 +154,7 @@ def breakdown(m=4096, n=8192, k=2048, recipe="rowwise") -> list:
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for impl, fn in (("bf16", lambda: F.linear(x, w)), ("fp8", lambda: torch.ops.fusion.fp8_linear(x, w, recipe, False))):
+    for impl, fn in (("bf16", lambda: F.linear(x, w)), ("fp8", lambda: fp8_op.linear(x, w, recipe, False))):
         for name, ms, calls in kernels_ms(lambda: torch.autograd.grad(fn(), [x, w], dy), top=12):
             rows.append(dict(impl=impl, kernel=name[:70], ms=ms, calls=calls))
     return rows
@@ -246,6 +253,8 @@ def main():
     ap.add_argument("--data", choices=["bigram", "text"], default="bigram")
     ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
                     help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each mode from the same seed (kernels with atomics make runs differ)")
     args = ap.parse_args()
     payload = {"env": env()}
     if "quantize" in args.parts:
@@ -263,15 +272,19 @@ def main():
         save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
     if "train" in args.parts:
         payload["train"] = {}
-        for mode in args.train_modes:  # saved after each mode (a run cut short keeps what it has)
-            payload["train"][mode] = train(mode, args.steps, args.schedule, args.layers, args.lr, args.data)
-            payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr, data=args.data)
-            save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
+        for i in range(args.repeats):  # modes interleaved; saved after each run (a run cut short keeps the rest)
+            for mode in args.train_modes:
+                key = mode if i == 0 else f"{mode}#{i + 1}"
+                payload["train"][key] = train(mode, args.steps, args.schedule, args.layers, args.lr, args.data)
+                payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr, data=args.data)
+                save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
         tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
-        base = tail(payload["train"]["bf16"])
-        for mode, losses in payload["train"].items():
-            print(f"final loss (mean of last 20) {mode}: {tail(losses):.4f} ({(tail(losses) / base - 1) * 100:+.2f}% "
-                  f"vs bf16); at the last step {losses[-1]:.4f}")
+        runs = {m: [tail(v) for k, v in payload["train"].items() if k.split("#")[0] == m] for m in args.train_modes}
+        base = sum(runs["bf16"]) / len(runs["bf16"])
+        for mode, tails in runs.items():
+            mean = sum(tails) / len(tails)
+            print(f"final loss (mean of last 20, {len(tails)} runs) {mode}: {mean:.4f} ({(mean / base - 1) * 100:+.2f}% "
+                  f"vs bf16); runs {' '.join(f'{t:.4f}' for t in tails)}")
     if "linear" in payload:
         print(table(payload["linear"], ["shape", "impl", "fwd_ms", "fwdbwd_ms", "fwd_x", "fwdbwd_x", "fwd_tflops",
                                         "fwdbwd_tflops", "sqnr_y", "sqnr_dx", "sqnr_dw"]))

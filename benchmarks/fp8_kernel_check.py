@@ -37,14 +37,14 @@ def main():
         dy = (torch.randn(m, n, device="cuda") * torch.rand(m, 1, device="cuda") ** 4 * 1e-3).to(torch.bfloat16)
         ref = grads(x, w, dy, lambda a, b: a @ b.t())
         for recipe in ("rowwise", "tensorwise"):
-            real = grads(x, w, dy, lambda a, b: op.fp8_linear(a, b, recipe, False))
-            emulated = grads(x, w, dy, lambda a, b: op.fp8_linear(a, b, recipe, True))
-            saved = kernels.quantize
-            kernels.quantize = kernels.quantize_reference
+            real = grads(x, w, dy, lambda a, b: op.linear(a, b, recipe, False))
+            emulated = grads(x, w, dy, lambda a, b: op.linear(a, b, recipe, True))
+            saved = kernels.quantize, kernels.quantize_tensorwise
+            kernels.quantize, kernels.quantize_tensorwise = kernels.quantize_reference, kernels.quantize_tensorwise_reference
             try:
-                torch_ref = grads(x, w, dy, lambda a, b: op.fp8_linear(a, b, recipe, True))
+                torch_ref = grads(x, w, dy, lambda a, b: op.linear(a, b, recipe, True))
             finally:
-                kernels.quantize = saved
+                kernels.quantize, kernels.quantize_tensorwise = saved
             row = {"shape": f"{m}x{n}x{k}", "recipe": recipe}
             for name, got in (("real", real), ("emulated", emulated), ("torch_quant", torch_ref)):
                 row[name] = [sqnr(a, b) for a, b in zip(got, ref)]

@@ -1,40 +1,77 @@
-"""Tiles of the FP8 cast of a transposed operand (codegen/fp8.py quantize_strided: the backward's x^T,
-dy^T, w^T): every (BLOCK_R, BLOCK_C, CHUNK, warps) on the reference Llama step's operands, GPU ms
-per cast (amax pass + cast), the best first.
+"""Tiles of the FP8 casts (codegen/fp8.py), GPU ms per cast, the best first, on the reference Llama
+step's operands:
+- quantize_strided (per-row scales of a transposed operand: the backward's x^T, dy^T, w^T): every
+  (BLOCK_R, BLOCK_C, CHUNK, warps), amax pass + cast;
+- quantize_tensorwise (a per-tensor scale, q and q^T from one cast): every (BLOCK_R, BLOCK_C, warps)
+  of the cast tiles, amax pass + cast.
 
-    python benchmarks/tune_fp8_quantize.py
+    python benchmarks/tune_fp8_quantize.py [--parts strided tensorwise]
 """
+import argparse
 import itertools
 import json
+import os
 
 import torch
 
 from common import bench_gpu_ms, env, save, table
 from fusion_compiler.codegen import fp8
 
-SHAPES = ((4096, 2048), (4096, 8192), (8192, 2048), (4096, 512))
+SHAPES = ((4096, 2048), (4096, 8192), (8192, 2048), (4096, 512), (4096, 128256))
+E4M3 = torch.float8_e4m3fn
+
+
+def _best(timed: list, default: tuple) -> list:
+    timed.sort(key=lambda r: r["ms"])
+    print(json.dumps(timed[:3]), flush=True)
+    mark = next(r for r in timed if r["tiles"] == str(default))
+    return timed[:3] + [dict(mark, tiles=mark["tiles"] + " (default)")]
+
+
+def strided_rows(m: int, k: int) -> list:
+    t = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).t()
+    q = torch.empty(t.shape, device="cuda", dtype=E4M3)
+    inv = torch.empty((t.shape[0], 1), device="cuda", dtype=torch.float32)
+    ref_q, ref_inv = fp8.quantize_reference(t, E4M3)
+    timed = []
+    for tiles in itertools.product((32, 64, 128), (32, 64, 128), (256, 1024), (4, 8)):
+        fp8.quantize_strided(t, q, inv, E4M3, tiles)
+        assert torch.allclose(inv, ref_inv, rtol=1e-6), tiles
+        ms = bench_gpu_ms(lambda: fp8.quantize_strided(t, q, inv, E4M3, tiles))
+        timed.append(dict(part="strided", shape=f"{tuple(t.shape)}", tiles=str(tiles), ms=round(ms, 4),
+                          gbps=round(3 * m * k / ms / 1e6)))
+    return _best(timed, fp8.STRIDED_TILES)
+
+
+def tensorwise_rows(m: int, k: int) -> list:
+    t = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref_q, ref_qt, ref_inv = fp8.quantize_tensorwise_reference(t, E4M3)
+    default, timed = fp8.TENSOR_TILES, []
+    try:
+        for tiles in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
+            fp8.TENSOR_TILES = tiles
+            q, qt, inv = fp8.quantize_tensorwise(t, E4M3)
+            assert torch.allclose(inv, ref_inv, rtol=1e-6) and torch.equal(qt.float(), q.float().t()), tiles
+            ms = bench_gpu_ms(lambda: fp8.quantize_tensorwise(t, E4M3))
+            timed.append(dict(part="tensorwise", shape=f"{tuple(t.shape)}", tiles=str(tiles), ms=round(ms, 4),
+                              gbps=round(6 * m * k / ms / 1e6)))
+    finally:
+        fp8.TENSOR_TILES = default
+    return _best(timed, default)
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["strided", "tensorwise"])
+    a = ap.parse_args()
     rows = []
     for m, k in SHAPES:
-        t = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).t()
-        q = torch.empty(t.shape, device="cuda", dtype=torch.float8_e4m3fn)
-        inv = torch.empty((t.shape[0], 1), device="cuda", dtype=torch.float32)
-        ref_q, ref_inv = fp8.quantize_reference(t, torch.float8_e4m3fn, True)
-        timed = []
-        for tiles in itertools.product((32, 64, 128), (32, 64, 128), (256, 1024), (4, 8)):
-            fp8.quantize_strided(t, q, inv, True, torch.float8_e4m3fn, tiles)
-            assert torch.allclose(inv, ref_inv, rtol=1e-6), tiles
-            ms = bench_gpu_ms(lambda: fp8.quantize_strided(t, q, inv, True, torch.float8_e4m3fn, tiles))
-            timed.append(dict(shape=f"{tuple(t.shape)}", tiles=str(tiles), ms=round(ms, 4),
-                              gbps=round(3 * m * k / ms / 1e6)))
-        timed.sort(key=lambda r: r["ms"])
-        default = next(r for r in timed if r["tiles"] == str(fp8.STRIDED_TILES))
-        rows += timed[:3] + [dict(default, tiles=default["tiles"] + " (default)")]
-        print(json.dumps(timed[:3]), flush=True)
-    save("tune_fp8_quantize.json", {"env": env(), "rows": rows})
-    print(table(rows, ["shape", "tiles", "ms", "gbps"]))
+        if "strided" in a.parts and k < 100000:
+            rows += strided_rows(m, k)
+        if "tensorwise" in a.parts:
+            rows += tensorwise_rows(m, k)
+    save(os.environ.get("BENCH_NAME", "tune_fp8_quantize.json"), {"env": env(), "rows": rows})
+    print(table(rows, ["part", "shape", "tiles", "ms", "gbps"]))
 
 
 if __name__ == "__main__":
