@@ -283,8 +283,8 @@ def main():
         base = sum(runs["bf16"]) / len(runs["bf16"])
         for mode, tails in runs.items():
             mean = sum(tails) / len(tails)
-            print(f"final loss (mean of last 20, {len(tails)} runs) {mode}: {mean:.4f} ({(mean / base - 1) * 100:+.2f}% "
-                  f"vs bf16); runs {' '.join(f'{t:.4f}' for t in tails)}")
+            print(f"final loss (mean of last 20, {len(tails)} runs) {mode}: {mean:.4f} "
+                  f"({(mean / base - 1) * 100:+.2f}% vs bf16); runs {' '.join(f'{t:.4f}' for t in tails)}")
     if "linear" in payload:
         print(table(payload["linear"], ["shape", "impl", "fwd_ms", "fwdbwd_ms", "fwd_x", "fwdbwd_x", "fwd_tflops",
                                         "fwdbwd_tflops", "sqnr_y", "sqnr_dx", "sqnr_dw"]))

@@ -397,8 +397,8 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
-        log.add(_row(gid, calls[node], "applied", f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}",
-                     [x_val, w_val], estimate, recipe.per_row))
+        why = f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}"
+        log.add(_row(gid, calls[node], "applied", why, [x_val, w_val], estimate, recipe.per_row))
     if taken:
         gm.graph.eliminate_dead_code()
         gm.recompile()
