@@ -41,7 +41,9 @@ class FusionConfig:
         unchanged). Off by default: a region whose logits are returned is a near-miss, and says so.
     prefer_memory: also take rewrites that cut peak memory at a measured time cost of at most 15% on
         their region (the chunked LM head + loss at large vocabularies: about half the memory of
-        Inductor's, 8-12% slower at 128K-256K). Off by default: do no harm to speed.
+        Inductor's, 8-12% slower at 128K-256K). Off by default: do no harm to speed. With fp8="tensorwise"
+        it also makes the backward cast each weight again instead of holding its FP8 transpose from the
+        forward (one byte a weight element; patterns/fp8.py).
     HF causal LMs, for the memory of the LM head + loss: FusionConfig(drop_logits=True, prefer_memory=True).
     overlap_collectives: with the Inductor hand-off, schedule functional collectives (all-gather,
         reduce-scatter, all-reduce, all-to-all) to overlap with compute: overlap.py, a post-grad pass.

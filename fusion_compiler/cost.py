@@ -585,7 +585,8 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
     - per-row scales: each operand read once and written as FP8 bytes, in training also w along N and
       dy, x along M for the backward (longer rows' amax passes are not counted);
     - a per-tensor scale: x, w and (training) dy each read twice (an amax pass, then the cast) and
-      written once per layout (two in training: the backward takes the transposes' FP8 bytes).
+      written once per layout (two in training: the backward takes the transposes' FP8 bytes); with
+      ctx.prefer_memory the backward casts w again into its transpose (held from the forward otherwise).
     x's forward cast: "own" (this linear's pass), "shared" (one pass for the `readers` linears of x)
     or "fused" (per-row: the FP8 copy written by x's producer: only its bytes, shared by the readers)."""
     p = ctx.profile
@@ -608,8 +609,9 @@ def estimate_fp8_linear(m: int, n: int, k: int, element_size: int, per_row: bool
         each = 2 * element_size + (2 if ctx.training else 1)
     share = 1 if x_cast == "own" else readers
     x_bytes = m * k * (1 if x_cast == "fused" else each) / share
-    quant_bytes = int(sum(operands) * each + x_bytes)
-    launches = len(operands) + (0 if x_cast == "fused" else 1 / share)
+    recast = not per_row and ctx.training and ctx.prefer_memory  # w read twice more, in the backward
+    quant_bytes = int(sum(operands) * each + x_bytes + (n * k * 2 * element_size if recast else 0))
+    launches = len(operands) + (0 if x_cast == "fused" else 1 / share) + (1 if recast else 0)
     quant = quant_bytes / (p.bandwidth * p.default_efficiency) + launches * passes * p.launch_s
     quant += 0.0 if ctx.replayed else len(products) * p.fp8_overhead_s
     return Estimate(low + quant, high, moved + quant_bytes, moved * element_size, ctx.baseline,

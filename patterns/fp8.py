@@ -309,7 +309,7 @@ def _emit_rowwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs_gr
 def _emit_tensorwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs_grad: set):
     """(mm node, its fp8_linear_tensorwise call) of each linear taken: one fp8_quantize_tensorwise per
     input source and per weight, before the first linear reading it, with the transposed layout when
-    one of its readers is differentiated."""
+    one of its readers is differentiated; for a weight, not where the backward casts it again (`_recast`)."""
     readers: dict = {}
     for node, a, w, _ in taken:
         for key in (_key(a), w):
@@ -318,7 +318,7 @@ def _emit_tensorwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs
     for node, a, w, _ in taken:
         for key, operand in ((_key(a), a), (w, w)):
             if key not in casts:
-                transposed = any(r in needs_grad for r in readers[key])
+                transposed = any(r in needs_grad for r in readers[key]) and not (key is w and _recast(w, config))
                 casts[key] = _quantize_tensorwise(gm.graph, node, key if key is operand else None, operand,
                                                   transposed, config.fp8_emulate)
         with gm.graph.inserting_before(node):
@@ -326,6 +326,13 @@ def _emit_tensorwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs
                                           (a, w, *casts[_key(a)], *casts[w], config.fp8_emulate))
         call.meta["val"] = val(node)
         yield node, call
+
+
+def _recast(w: fx.Node, config) -> bool:
+    """Does the backward cast weight w again rather than hold its FP8 transpose? Under prefer_memory,
+    for a graph input (a parameter: saving it costs nothing; a weight computed in the graph, such as
+    autocast's copy, would be held in 16 bits, more than its FP8 transpose)."""
+    return config.prefer_memory and w.op in ("placeholder", "get_attr")
 
 
 def _quantize_tensorwise(graph: fx.Graph, before: fx.Node, operand: fx.Node | None, rows_of: fx.Node,

@@ -18,10 +18,13 @@ alike, so each operand is cast once into both layouts and the backward reads onl
     fusion::fp8_quantize_tensorwise(t [R, C], transposed, emulate)
         -> (q [R, C], q^T [C, R] (empty unless transposed), dequantization scale []), e4m3
     fusion::fp8_linear_tensorwise(x, w, qx, qx_t, x_scale, qw, qw_t, w_scale, emulate) -> y = q(x) @ q(w)^T
-    fusion::fp8_linear_tensorwise_backward(dy, qx_t, x_scale, qw_t, w_scale, emulate, needs) -> [dx, dw]
+    fusion::fp8_linear_tensorwise_backward(dy, qx_t, x_scale, qw_t, w_scale, emulate, needs, w=None) -> [dx, dw]
         dy cast once (e5m2) into q(dy) and q(dy)^T: dx = q(dy) @ q(w), dw = q(dy)^T @ q(x)
 x and w are operands of fp8_linear_tensorwise for their gradients only; it saves q(x)^T and q(w)^T
-(FP8 bytes) for the backward, not x and w. `linear(x, w, recipe, emulate)` calls either recipe's ops.
+(FP8 bytes) for the backward, not x and w. An empty q(w)^T (the rewrite under prefer_memory) saves w
+instead, and the backward casts it again: the same amax, so the same scale and bytes, without holding
+one FP8 byte a weight element from the forward to the backward. `linear(x, w, recipe, emulate)` calls
+either recipe's ops.
 
 `emulate` computes the same quantization (the same scales, the same FP8 rounding: our kernels wherever
 Triton runs, the interpreter on CPU included, else torch ops) and the products in fp32 from the
@@ -203,9 +206,13 @@ def _(x, w, qx, qx_t, x_scale, qw, qw_t, w_scale, emulate):
 
 @fusion_op("fusion::fp8_linear_tensorwise_backward")
 def fp8_linear_tensorwise_backward(dy: Tensor, qx_t: Tensor, x_scale: Tensor, qw_t: Tensor, w_scale: Tensor,
-                                   emulate: bool, needs: list[bool]) -> list[Tensor]:
+                                   emulate: bool, needs: list[bool], w: Optional[Tensor] = None) -> list[Tensor]:
     if not any(needs):
         return [dy.new_empty(0), dy.new_empty(0)]
+    if needs[0] and qw_t.numel() == 0:  # w's transpose not held: cast it again
+        if w is None:
+            raise ValueError("fp8_linear_tensorwise_backward: dx needs q(w)^T or w")
+        _, qw_t, w_scale = _quantize_tensor(w, E4M3, emulate, rows=False)
     q, qt, scale = _quantize_tensor(dy, recipe("tensorwise").grad_dtype, emulate, rows=needs[0], transposed=needs[1])
     dx = _scaled(q, scale, qw_t.t(), w_scale, dy.dtype, emulate) if needs[0] else dy.new_empty(0)
     dw = _scaled(qt, scale, qx_t.t(), x_scale, dy.dtype, emulate) if needs[1] else dy.new_empty(0)
@@ -213,32 +220,35 @@ def fp8_linear_tensorwise_backward(dy: Tensor, qx_t: Tensor, x_scale: Tensor, qw
 
 
 @fp8_linear_tensorwise_backward.register_fake
-def _(dy, qx_t, x_scale, qw_t, w_scale, emulate, needs):
+def _(dy, qx_t, x_scale, qw_t, w_scale, emulate, needs, w=None):
     m, n = dy.shape
-    return [dy.new_empty((m, qw_t.shape[0]) if needs[0] else (0,)),
+    k = qw_t.shape[0] if qw_t.numel() or w is None else w.shape[1]
+    return [dy.new_empty((m, k) if needs[0] else (0,)),
             dy.new_empty((n, qx_t.shape[0]) if needs[1] else (0,))]
 
 
 def _tensorwise_setup(ctx, inputs, output):
-    ctx.emulate = inputs[8]
-    ctx.save_for_backward(inputs[3], inputs[4], inputs[6], inputs[7])
+    x, w, qx, qx_t, x_scale, qw, qw_t, w_scale, ctx.emulate = inputs
+    ctx.save_for_backward(qx_t, x_scale, qw_t, w_scale, *([w] if qw_t.numel() == 0 else []))
 
 
 def _tensorwise_grad(ctx, dy):
-    qx_t, x_scale, qw_t, w_scale = ctx.saved_tensors
+    qx_t, x_scale, qw_t, w_scale, *w = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-    dx, dw = fp8_linear_tensorwise_backward(dy.contiguous(), qx_t, x_scale, qw_t, w_scale, ctx.emulate, needs)
+    dx, dw = fp8_linear_tensorwise_backward(dy.contiguous(), qx_t, x_scale, qw_t, w_scale, ctx.emulate, needs,
+                                            *w)
     return (dx if needs[0] else None), (dw if needs[1] else None), None, None, None, None, None, None, None
 
 
 fp8_linear_tensorwise.register_autograd(_tensorwise_grad, setup_context=_tensorwise_setup)
 
 
-def linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool) -> Tensor:
+def linear(x: Tensor, w: Tensor, recipe_name: str, emulate: bool, hold_weight: bool = True) -> Tensor:
     """x [M, K] @ w [N, K]^T in FP8 under the recipe, as the FP8 rewrite emits it (tensorwise: each
-    operand cast into both layouts, the transposes only where a gradient is wanted)."""
+    operand cast into both layouts, the transposes only where a gradient is wanted; w's only with
+    hold_weight, else the backward casts w again)."""
     if recipe(recipe_name).per_row:
         return fp8_linear(x, w, recipe_name, emulate)
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    casts = [fp8_quantize_tensorwise(t.detach(), grad, emulate) for t in (x, w)]
+    casts = [fp8_quantize_tensorwise(t.detach(), grad and held, emulate) for t, held in ((x, True), (w, hold_weight))]
     return fp8_linear_tensorwise(x, w, *casts[0], *casts[1], emulate)

@@ -78,8 +78,10 @@ def test_opcheck_fp8_ops():
     for args in [(x, w, "rowwise", True), (x, w, "rowwise", True, q, scale)]:
         torch.library.opcheck(fusion.fp8_linear, args, test_utils=checks + ("test_aot_dispatch_dynamic",))
     casts = [fusion.fp8_quantize_tensorwise(t.detach(), True, True) for t in (x, w)]
-    torch.library.opcheck(fusion.fp8_linear_tensorwise, (x, w, *casts[0], *casts[1], True),
-                          test_utils=checks + ("test_aot_dispatch_dynamic",))
+    unheld = fusion.fp8_quantize_tensorwise(w.detach(), False, True)  # the backward casts w again
+    for w_cast in (casts[1], unheld):
+        torch.library.opcheck(fusion.fp8_linear_tensorwise, (x, w, *casts[0], *w_cast, True),
+                              test_utils=checks + ("test_aot_dispatch_dynamic",))
     for op, args in [(fusion.fp8_quantize_rows, (x, True)), (fusion.fp8_quantize_tensorwise, (x, True, True)),
                      (fusion.fp8_quantize_tensorwise, (x, False, True)),
                      (fusion.rms_norm_fp8, (_p(3, 5, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),

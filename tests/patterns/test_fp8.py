@@ -107,6 +107,23 @@ def test_tensorwise_backward_reads_only_fp8():
         assert got.dtype == torch.bfloat16 and sqnr(got, want) >= 40
 
 
+def test_tensorwise_backward_casts_the_weight_again_when_not_held():
+    """hold_weight=False (the rewrite under prefer_memory): no q(w)^T is kept from the forward, w is
+    saved instead (a parameter: no new memory) and cast again in the backward, to the same bytes, so
+    y, dx and dW equal the held path's exactly."""
+    x, w, dy = _operands(64, 96, 80)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = op.linear(x, w, "tensorwise", True, hold_weight=False)
+    assert not [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape == (w.shape[1], w.shape[0])]
+    assert any(t.data_ptr() == w.data_ptr() for t in saved)
+    got = (y, *torch.autograd.grad(y, [x, w], dy))
+    y_held = op.linear(x, w, "tensorwise", True)
+    want = (y_held, *torch.autograd.grad(y_held, [x, w], dy))
+    for g, h in zip(got, want):
+        assert torch.equal(g, h)
+
+
 class MLP(torch.nn.Module):
     """RMSNorm, then a SwiGLU MLP: the norm and GLU rewrites around three linears."""
 
@@ -147,6 +164,15 @@ def test_cost_model_takes_large_linears_and_leaves_small_ones():
     assert not cost.estimate_fp8_linear(4096, 512, 2048, 2, True, ctx).profitable
     unmeasured = cost.CostContext(cost.DeviceProfile("new", 3e12, 4e-6, {}), "inductor", True, False)
     assert not cost.estimate_fp8_linear(8192, 14336, 4096, 2, True, unmeasured).profitable
+
+
+def test_cost_model_counts_the_weights_second_cast_under_prefer_memory():
+    """Tensorwise in training with prefer_memory: w is read twice more (the backward's amax and cast)."""
+    from fusion_compiler import cost
+    held, recast = (cost.estimate_fp8_linear(8192, 14336, 4096, 2, False,
+                                             cost.CostContext(cost.PROFILES["h200"], "inductor", True, memory))
+                    for memory in (False, True))
+    assert recast.ours_bytes - held.ours_bytes == 14336 * 4096 * 2 * 2 and recast.ours_s > held.ours_s
 
 
 def test_rewrite_fires_where_the_cost_model_accepts():

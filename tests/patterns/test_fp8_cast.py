@@ -112,6 +112,37 @@ def test_tensorwise_casts_each_input_and_weight_once():
     _assert_near_bf16_eager(block, x, r, dy, y, grads)
 
 
+def test_tensorwise_under_prefer_memory_holds_no_weight_transposes():
+    """prefer_memory: each weight's cast writes no transpose (the backward casts w again rather than
+    hold one FP8 byte a weight element from the forward); the inputs' casts still do. Same values."""
+    block, x, r, dy = _inputs()
+    y, grads, be = _run(block, x, r, dy, fp8="tensorwise")
+    y_m, grads_m, be_m = _run(block, x, r, dy, fp8="tensorwise", prefer_memory=True)
+    assert torch.equal(y, y_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m))
+
+    def transposed(backend) -> list:
+        return sorted(n.args[1] for gm in backend.rewritten for n in gm.graph.nodes
+                      if n.target is torch.ops.fusion.fp8_quantize_tensorwise.default)
+    assert transposed(be) == [True] * 11 and transposed(be_m) == [False] * 7 + [True] * 4
+
+
+def test_a_computed_weight_keeps_its_transpose_under_prefer_memory():
+    """A weight made in the graph (here w * 2; autocast's copy alike) would be held in 16 bits for a
+    second cast: its FP8 transpose (half the bytes) is held instead. Gradients still match eager."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+    x = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="tensorwise", fp8_emulate=True, prefer_memory=True)
+    y = torch.compile(lambda x: F.linear(x, w * 2.0), backend=be)(x)
+    assert [n.args[1] for gm in be.rewritten for n in gm.graph.nodes
+            if n.target is torch.ops.fusion.fp8_quantize_tensorwise.default] == [True, True]
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w], dy)
+    ref = F.linear(x, w * 2.0)
+    for g, g_ref in zip(got, torch.autograd.grad(ref, [x, w], dy)):
+        assert sqnr(g, g_ref) >= 20
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_norm_kernel_fp8_copy(residual):
     """Odd sizes; the FP8 copy and scale equal the quantization kernel's on y, y and the gradients equal
