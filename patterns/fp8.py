@@ -271,19 +271,29 @@ def _emit_casts(gm: fx.GraphModule, plans: dict, config) -> dict:
                 q = graph.call_function(operator.getitem, (fused, n_out - 2))
             q.meta["val"], scale.meta["val"] = fused.meta["val"][-2], fused.meta["val"][-1]
         else:  # before the first reader
-            shape = val(src).shape
-            with graph.inserting_before(node):
-                rows = graph.call_function(aten.view.default, (src, [-1, shape[-1]]))
-            rows.meta["val"] = val(src).view(-1, shape[-1])
-            with graph.inserting_after(rows):
-                call = graph.call_function(torch.ops.fusion.fp8_quantize_rows.default, (rows, config.fp8_emulate))
-            call.meta["val"] = torch.ops.fusion.fp8_quantize_rows.default(rows.meta["val"], config.fp8_emulate)
-            with graph.inserting_after(call):
-                scale = graph.call_function(operator.getitem, (call, 1))
-                q = graph.call_function(operator.getitem, (call, 0))
-            q.meta["val"], scale.meta["val"] = call.meta["val"]
+            q, scale = _call_outputs(graph, node, torch.ops.fusion.fp8_quantize_rows.default,
+                                     (_rows_view(graph, node, src), config.fp8_emulate))
         casts[src] = (q, scale)
     return casts
+
+
+def _rows_view(graph: fx.Graph, before: fx.Node, src: fx.Node) -> fx.Node:
+    """A view [-1, K] of src inserted before `before`: the 2-D operand of a cast its readers share."""
+    with graph.inserting_before(before):
+        rows = graph.call_function(aten.view.default, (src, [-1, val(src).shape[-1]]))
+    rows.meta["val"] = val(src).view(-1, val(src).shape[-1])
+    return rows
+
+
+def _call_outputs(graph: fx.Graph, before: fx.Node, op, args: tuple) -> tuple:
+    """op(*args) inserted before `before`; a getitem node per output (values in meta)."""
+    with graph.inserting_before(before):
+        call = graph.call_function(op, args)
+        call.meta["val"] = op(*[val(a) if isinstance(a, fx.Node) else a for a in args])
+        outs = tuple(graph.call_function(operator.getitem, (call, i)) for i in range(len(call.meta["val"])))
+    for out, value in zip(outs, call.meta["val"]):
+        out.meta["val"] = value
+    return outs
 
 
 def _plan_note(plan) -> str:
@@ -319,8 +329,9 @@ def _emit_tensorwise(gm: fx.GraphModule, taken: list, plans: dict, config, needs
         for key, operand in ((_key(a), a), (w, w)):
             if key not in casts:
                 transposed = any(r in needs_grad for r in readers[key]) and not (key is w and _recast(w, config))
-                casts[key] = _quantize_tensorwise(gm.graph, node, key if key is operand else None, operand,
-                                                  transposed, config.fp8_emulate)
+                rows = operand if key is operand else _rows_view(gm.graph, node, key)
+                casts[key] = _call_outputs(gm.graph, node, torch.ops.fusion.fp8_quantize_tensorwise.default,
+                                           (rows, transposed, config.fp8_emulate))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(torch.ops.fusion.fp8_linear_tensorwise.default,
                                           (a, w, *casts[_key(a)], *casts[w], config.fp8_emulate))
@@ -333,27 +344,6 @@ def _recast(w: fx.Node, config) -> bool:
     for a graph input (a parameter: saving it costs nothing; a weight computed in the graph, such as
     autocast's copy, would be held in 16 bits, more than its FP8 transpose)."""
     return config.prefer_memory and w.op in ("placeholder", "get_attr")
-
-
-def _quantize_tensorwise(graph: fx.Graph, before: fx.Node, operand: fx.Node | None, rows_of: fx.Node,
-                         transposed: bool, emulate: bool) -> tuple:
-    """(q, q_t, scale) nodes of one fp8_quantize_tensorwise inserted before `before`: of `operand`
-    (2-D), or of the rows of `rows_of`'s source (a view [-1, K] of it, shared by its readers)."""
-    if operand is None:
-        src = _key(rows_of)
-        with graph.inserting_before(before):
-            operand = graph.call_function(aten.view.default, (src, [-1, val(src).shape[-1]]))
-        operand.meta["val"] = val(src).view(-1, val(src).shape[-1])
-    op = torch.ops.fusion.fp8_quantize_tensorwise.default
-    with graph.inserting_before(before):
-        call = graph.call_function(op, (operand, transposed, emulate))
-    call.meta["val"] = op(val(operand), transposed, emulate)
-    outs = []
-    for i in range(3):
-        with graph.inserting_before(before):
-            outs.append(graph.call_function(operator.getitem, (call, i)))
-        outs[-1].meta["val"] = call.meta["val"][i]
-    return tuple(outs)
 
 
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:

@@ -175,6 +175,12 @@ def test_a_cast_input_must_fit_the_recipe():
         torch.ops.fusion.fp8_linear(x, w, "tensorwise", True, q, scale)
     with pytest.raises(ValueError, match="scale per row"):
         torch.ops.fusion.fp8_linear(x, w, "rowwise", True, q[:16], scale[:16])
+    qx, qx_t, sx = torch.ops.fusion.fp8_quantize_tensorwise(x, True, True)
+    qw, qw_t, sw = torch.ops.fusion.fp8_quantize_tensorwise(w, False, True)
+    with pytest.raises(ValueError, match="need their e4m3 casts"):
+        torch.ops.fusion.fp8_linear_tensorwise(x, w, qx, qx_t, sx, q, qw_t, sw, True)
+    with pytest.raises(ValueError, match="dx needs q\\(w\\)\\^T or w"):
+        torch.ops.fusion.fp8_linear_tensorwise_backward(torch.randn(32, 48), qx_t, sx, qw_t, sw, True, [True, False])
 
 
 def test_cost_model_counts_the_cast_where_it_happens():
