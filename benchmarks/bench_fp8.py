@@ -26,12 +26,13 @@ import argparse
 import json
 import math
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from common import bench_gpu_ms, env, kernels_ms, save, table
+from common import bench_gpu_ms, env, kernels_ms, save, table, torchao_float8
 from fusion_compiler.ops import fp8 as fp8_op
 
 SHAPES = {"4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192), "llama8b_up": (8192, 14336, 4096),
@@ -227,6 +228,8 @@ def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, steps, schedule))
     if mode == "bf16_eager":  # the same math with eager's kernels: how far rounding alone moves the curve
         fwd, be = model, None
+    elif mode.startswith("torchao_"):  # the peer: every nn.Linear swapped for torchao's, then Inductor
+        fwd, be = torch.compile(torchao_float8(model, mode[len("torchao_"):])), None
     else:
         be = "inductor" if mode == "bf16" else fc.backend(fp8=mode[len("fp8_"):], cost_model="always",
                                                           families={"fp8"})
@@ -245,6 +248,23 @@ def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: 
     return losses
 
 
+def summarize(payloads: dict) -> None:
+    """The final loss (mean of the last 20 steps) of each run in the payloads, by mode (a mode's name
+    is prefixed with its file's `mode_prefix`, when it has one): mean, sd, and the mean's distance
+    from bf16's."""
+    runs = {}
+    for payload in payloads.values():
+        for key, losses in payload["train"].items():
+            runs.setdefault(payload.get("mode_prefix", "") + key.split("#")[0], []).append(sum(losses[-20:]) / 20)
+    base = statistics.mean(runs["bf16"]) if "bf16" in runs else None
+    for mode, tails in runs.items():
+        mean = statistics.mean(tails)
+        sd = statistics.stdev(tails) / mean * 100 if len(tails) > 1 else float("nan")
+        vs = f" ({(mean / base - 1) * 100:+.2f}% vs bf16)" if base else ""
+        print(f"final loss (mean of last 20, {len(tails)} runs) {mode}: {mean:.4f}{vs}, sd {sd:.2f}%; "
+              f"runs {' '.join(f'{t:.4f}' for t in tails)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["linear", "train"])
@@ -254,9 +274,14 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     ap.add_argument("--data", choices=["bigram", "text"], default="bigram")
     ap.add_argument("--train-modes", nargs="+", default=["bf16", "fp8_rowwise"],
-                    help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe)")
+                    help="bf16 (Inductor), bf16_eager, fp8_<recipe> (every linear in FP8 with that recipe), "
+                         "torchao_<recipe> (torchao's Float8Linear for every linear, under Inductor)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each mode from the same seed (kernels with atomics make runs differ)")
+    ap.add_argument("--summarize", nargs="+", default=[],
+                    help="also pool the train runs saved in these files (BENCH_NAME of earlier runs) by mode")
+    ap.add_argument("--mode-prefix", default="",
+                    help="saved with the runs: names a variant of the code that ran them, for --summarize")
     args = ap.parse_args()
     payload = {"env": env()}
     if "quantize" in args.parts:
@@ -278,15 +303,12 @@ def main():
             for mode in args.train_modes:
                 key = mode if i == 0 else f"{mode}#{i + 1}"
                 payload["train"][key] = train(mode, args.steps, args.schedule, args.layers, args.lr, args.data)
-                payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr, data=args.data)
+                payload.update(schedule=args.schedule, layers=args.layers, lr=args.lr, data=args.data,
+                               mode_prefix=args.mode_prefix)
                 save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
-        tail = lambda v: sum(v[-20:]) / 20  # noqa: E731
-        runs = {m: [tail(v) for k, v in payload["train"].items() if k.split("#")[0] == m] for m in args.train_modes}
-        base = sum(runs["bf16"]) / len(runs["bf16"])
-        for mode, tails in runs.items():
-            mean = sum(tails) / len(tails)
-            print(f"final loss (mean of last 20, {len(tails)} runs) {mode}: {mean:.4f} "
-                  f"({(mean / base - 1) * 100:+.2f}% vs bf16); runs {' '.join(f'{t:.4f}' for t in tails)}")
+        summarize({"": payload})
+    if args.summarize:
+        summarize({name: json.load(open(name)) for name in args.summarize})
     if "linear" in payload:
         print(table(payload["linear"], ["shape", "impl", "fwd_ms", "fwdbwd_ms", "fwd_x", "fwdbwd_x", "fwd_tflops",
                                         "fwdbwd_tflops", "sqnr_y", "sqnr_dx", "sqnr_dw"]))

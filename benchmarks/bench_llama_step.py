@@ -14,7 +14,8 @@ prefer_memory=True (the backward casts each weight again, and recomputes cheap l
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its
 memory although it is a little slower than Inductor's (cost.py); fusion_drop_logits@64: the same with
-at most 64 MiB of logits per chunk. liger: Liger-Kernel's patched HF Llama, eager (it
+at most 64 MiB of logits per chunk. torchao_fp8: torchao's float8 training (tensorwise; every nn.Linear swapped, LM head included, as its
+default converts them) under Inductor; torchao_fp8_cg: the same with CUDA graphs. liger: Liger-Kernel's patched HF Llama, eager (it
 patches the model classes for the whole process, so it runs last).
 """
 import argparse
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from common import bench_gpu_ms, env, kernels_ms, save, table
+from common import bench_gpu_ms, env, kernels_ms, save, table, torchao_float8
 
 
 def build(seed=0):
@@ -50,6 +51,8 @@ def make_step(mode, batch=2, seq=2048):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
     model = build()
+    if mode.startswith("torchao_fp8"):
+        model = torchao_float8(model, "tensorwise")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     be = {"fusion": fc.backend(**off) if off else "fusion", "fusion_always": fc.backend(cost_model="always", **off),
           "fusion_drop_logits": fc.backend(drop_logits=True, prefer_memory=True, **off), "inductor": "inductor",
@@ -63,12 +66,12 @@ def make_step(mode, batch=2, seq=2048):
           "fusion_fp8_tensorwise_mem": fc.backend(fp8="tensorwise", prefer_memory=True),
           "fusion_fp8_norm_cg": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
                                            cudagraphs=True)}.get(mode)
-    if be is None and mode not in ("eager", "liger", "inductor_cg"):
+    if be is None and mode not in ("eager", "liger", "inductor_cg", "torchao_fp8", "torchao_fp8_cg"):
         raise ValueError(f"unknown mode {mode!r}")
-    if mode == "inductor_cg":
+    if mode.endswith("_cg") and not mode.startswith("fusion"):
         fwd = torch.compile(model, mode="reduce-overhead")
     else:
-        fwd = torch.compile(model, backend=be) if be is not None else model
+        fwd = torch.compile(model, backend=be) if be is not None or mode == "torchao_fp8" else model
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)
 

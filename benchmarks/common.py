@@ -16,13 +16,20 @@ def env() -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
-        info["liger_kernel"] = version("liger-kernel")
-    except ImportError:
-        pass
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("liger-kernel", "torchao"):
+        try:
+            info[dist.replace("-", "_")] = version(dist)
+        except PackageNotFoundError:
+            pass
     return info
+
+
+def torchao_float8(model, recipe: str = "tensorwise"):
+    """`model` with every nn.Linear swapped for torchao's Float8Linear under its named recipe (the
+    peer: module swapping, each linear whatever its shape; carried as a wheel to the GPU machine)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
 def bench_ms(fn, warmup=25, rep=100) -> float:

@@ -1,0 +1,42 @@
+"""A benchmark script run with one detail of the tensorwise recipe changed in this process (ablations
+of issue 7's loss gap and step time); bench_fp8.py's runs are saved with the variant's name as their
+mode prefix.
+
+    python benchmarks/fp8_variants.py VARIANT SCRIPT [its arguments]   (SCRIPT: bench_fp8.py, bench_llama_step.py)
+
+e4m3_dy: the output gradient cast to e4m3 (max 448) instead of e5m2.
+head_bf16: the LM head keeps bf16 (the e4m3 recipes' logits rule, patterns/fp8.py, applied to tensorwise).
+precise_fwd: the forward GEMM without torch._scaled_mm's fast accumulation (the default before stop 31).
+"""
+import dataclasses
+import runpy
+import sys
+
+import torch
+
+from fusion_compiler.ops import fp8 as fp8_op
+from fusion_compiler.patterns import fp8 as fp8_pattern
+
+
+def e4m3_dy():
+    fp8_op.RECIPES["tensorwise"] = dataclasses.replace(fp8_op.RECIPES["tensorwise"], grad_dtype=torch.float8_e4m3fn)
+
+
+def head_bf16():
+    rule = fp8_pattern._logits_rule
+    fp8_pattern._logits_rule = lambda node, recipe, training: rule(
+        node, dataclasses.replace(recipe, grad_dtype=torch.float8_e4m3fn), training)
+
+
+def precise_fwd():
+    mm = fp8_op.scaled_mm
+    fp8_op.scaled_mm = lambda a, b, use_fast_accum, **kw: mm(a, b, use_fast_accum=False, **kw)
+
+
+VARIANTS = {f.__name__: f for f in (e4m3_dy, head_bf16, precise_fwd)}
+
+if __name__ == "__main__":
+    variant, script = sys.argv[1:3]
+    VARIANTS[variant]()
+    sys.argv = [script, *sys.argv[3:], *(["--mode-prefix", variant + ":"] if script == "bench_fp8.py" else [])]
+    runpy.run_path(script, run_name="__main__")
