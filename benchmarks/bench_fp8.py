@@ -1,6 +1,7 @@
 """FP8 linears: the op alone against bf16 (fwd and fwd+bwd, quantization included), and a loss curve.
 
     python benchmarks/bench_fp8.py [--parts linear train quantize] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
+                                   [--repeats 3] [--summarize FILES]
 
 linear: x [M, K] @ w [N, K]^T in bf16 (cuBLAS, as F.linear and Inductor run it) and as
 fusion::fp8_linear with each recipe, at 4096^3, 8192^3 and the Llama-8B MLP (8192 tokens, 4096 ->
@@ -20,7 +21,8 @@ gradients, patterns/fp8.py; --train-modes: others, and bf16 in eager, whose dist
 Inductor curve is what rounding alone does), the losses saved for the plot (plot_fp8.py). Every mode
 sees the same batches in the same order. Runs from the same seed still differ (kernels with atomics:
 at stop 30 the final loss had a spread of 0.75% sd for bf16 and 1.5% for FP8), so each mode runs
-`--repeats` times (3 by default), interleaved, and the means are compared.
+`--repeats` times (3 by default), interleaved, and the means are compared. `--summarize FILES` pools the
+runs of earlier files (several processes sharing one GPU, fp8_variants.py's ablations) by mode.
 """
 import argparse
 import json
