@@ -68,10 +68,12 @@ def make_step(mode, batch=2, seq=2048):
                                            cudagraphs=True)}.get(mode)
     if be is None and mode not in ("eager", "liger", "inductor_cg", "torchao_fp8", "torchao_fp8_cg"):
         raise ValueError(f"unknown mode {mode!r}")
-    if mode.endswith("_cg") and not mode.startswith("fusion"):
+    if mode.endswith("_cg") and not mode.startswith("fusion"):  # inductor_cg, torchao_fp8_cg
         fwd = torch.compile(model, mode="reduce-overhead")
-    else:
-        fwd = torch.compile(model, backend=be) if be is not None or mode == "torchao_fp8" else model
+    elif be is not None or mode == "torchao_fp8":
+        fwd = torch.compile(model, backend=be or "inductor")
+    else:  # eager, liger
+        fwd = model
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (batch, seq), device="cuda", generator=g)
 
