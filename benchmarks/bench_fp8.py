@@ -1,6 +1,6 @@
 """FP8 linears: the op alone against bf16 (fwd and fwd+bwd, quantization included), and a loss curve.
 
-    python benchmarks/bench_fp8.py [--parts linear train quantize] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
+    python benchmarks/bench_fp8.py [--parts linear train quantize head_loss] [--steps 300] [--train-modes bf16 bf16_eager fp8_rowwise]
                                    [--repeats 3] [--summarize FILES]
 
 linear: x [M, K] @ w [N, K]^T in bf16 (cuBLAS, as F.linear and Inductor run it) and as
@@ -10,6 +10,8 @@ bf16 results (dB). Also the bare torch._scaled_mm rate at 8192^3 (the cost model
 quantize: the quantization kernel alone against Inductor's, the kernels of one FP8 linear, and an
 RMSNorm followed by the cast (two kernels, one, Inductor's); GB/s count 2 bytes read and 1 written an
 element (the norm: 2 read, 2 + 1 written).
+head_loss: the reference step's LM head + cross-entropy (4096 x 2048 -> 128256, logits returned)
+fwd+bwd: bf16 Inductor, the FP8 head beside Inductor's loss, and the two fused (patterns/fp8_loss.py).
 train: a small Llama (8 layers, hidden 1024, ffn 4096, 8 x 512 tokens) trained `--steps`
 steps with AdamW (peak lr 1e-3; --schedule cosine: linear warm-up over the first 10% of the steps, then
 cosine decay to 10% of the peak, as LLM pre-training runs; constant: lr 1e-3 throughout, the protocol of
@@ -165,6 +167,43 @@ def breakdown(m=4096, n=8192, k=2048, recipe="rowwise") -> list:
     return rows
 
 
+def head_loss_rows(m=4096, k=2048, v=128256) -> list:
+    """The reference Llama step's LM head and loss (logits returned, as HF does, and the loss
+    differentiated), fwd+bwd under torch.compile: bf16 Inductor, the FP8 head with Inductor's
+    cross-entropy (the fusion backend with the loss fusion of patterns/fp8_loss.py off), and the fused
+    op; the kernels of each (profiler)."""
+    from fusion_compiler.patterns import fp8_loss
+
+    def head(h, w, t):
+        logits = F.linear(h, w)
+        return logits, F.cross_entropy(logits.float(), t)
+    h = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, k, device="cuda") / k ** 0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (m,), device="cuda")
+    fuse, rows, grads = fp8_loss.fuse, [], {}
+    for impl in ("bf16 inductor", "fp8 + inductor loss", "fp8 fused loss"):
+        torch.compiler.reset()
+        be = "inductor" if impl.startswith("bf16") else fc.backend(fp8="tensorwise", cost_model="always",
+                                                                   families={"fp8"})
+        fp8_loss.fuse = fuse if impl == "fp8 fused loss" else (lambda gm, call, emulate: (call, None))
+        fn = torch.compile(head, backend=be)
+
+        def step():
+            return torch.autograd.grad(fn(h, w, t)[1], [h, w])
+        grads[impl] = step()
+        ms = bench_gpu_ms(step)
+        rows.append(dict(impl=impl, kernel="(all)", ms=round(ms, 3), calls=""))
+        print(json.dumps(rows[-1]), flush=True)
+        for name, kms, calls in kernels_ms(step, top=8):
+            rows.append(dict(impl=impl, kernel=name[:70], ms=kms, calls=calls))
+    fp8_loss.fuse = fuse
+    ref = grads["bf16 inductor"]
+    for impl in ("fp8 + inductor loss", "fp8 fused loss"):
+        rows.append(dict(impl=impl, kernel="SQNR dh / dW vs bf16 (dB)",
+                         ms=" / ".join(str(sqnr(g, r)) for g, r in zip(grads[impl], ref)), calls=""))
+    return rows
+
+
 def scaled_mm_rate() -> float:
     from fusion_compiler._compat import scaled_mm
     a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
@@ -294,6 +333,10 @@ def main():
         print(table(payload["breakdown"], ["impl", "kernel", "ms", "calls"]))
         print(table(payload["quantize"], ["shape", "layout", "scale", "impl", "ms", "gbps"]))
         print(table(payload["producer_cast"], ["shape", "impl", "ms", "gbps"]))
+    if "head_loss" in args.parts:
+        payload["head_loss"] = head_loss_rows()
+        save(os.environ.get("BENCH_NAME", "fp8.json"), payload)
+        print(table(payload["head_loss"], ["impl", "kernel", "ms", "calls"]))
     if "linear" in args.parts:
         payload["scaled_mm_tflops_8192"] = round(scaled_mm_rate(), 1)
         print("scaled_mm 8192^3:", payload["scaled_mm_tflops_8192"], "TFLOP/s", flush=True)

@@ -58,7 +58,7 @@ def _round_to_grid(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_STEP: tl
 
 
 @triton.jit
-def _scale(amax, FP8_MAX: tl.constexpr):
+def scale_of(amax, FP8_MAX: tl.constexpr):
     """s = MAX / amax (amax floored at EPS), in fp32 (the interpreter would keep fp64)."""
     return (FP8_MAX / tl.maximum(amax, 1e-12)).to(tl.float32)
 
@@ -78,7 +78,7 @@ def quantize_rows_tile(x, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: 
                        MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr):
     """(q, inv) of a tile of whole rows in fp32 (masked entries 0): FP8 values and each row's
     dequantization scale 1 / s."""
-    scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)
+    scale = scale_of(tl.max(tl.abs(x), 1), FP8_MAX)
     return cast(x, scale[:, None], FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP), 1.0 / scale
 
 
@@ -117,7 +117,7 @@ def _quantize_rows_kernel(X, Q, INV, AMAX, R, C, s_r, ONE_TILE: tl.constexpr,
         tl.store(out + cols[None, :], q, mask=mask)
         tl.store(INV + rows, inv, mask=row_mask)
     else:
-        scale = _scale(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
+        scale = scale_of(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
         tl.store(INV + rows, 1.0 / scale, mask=row_mask)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
@@ -154,7 +154,7 @@ def _quantize_strided_kernel(X, Q, INV, AMAX, R, C, s_c,
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < R
     mask = row_mask[:, None] & (cols < C)[None, :]
-    scale = _scale(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
+    scale = scale_of(tl.load(AMAX + rows, mask=row_mask, other=0.0), FP8_MAX)
     if tl.program_id(1) == 0:
         tl.store(INV + rows, 1.0 / scale, mask=row_mask)
     x = tl.load(X + rows[:, None] + cols[None, :].to(tl.int64) * s_c, mask=mask, other=0.0).to(tl.float32)
@@ -187,7 +187,7 @@ def _cast_both_kernel(X, Q, QT, INV, PARTIAL, n_partial, R, C, s_r, WRITE_Q: tl.
     """One BLOCK_R x BLOCK_C tile of X (rows contiguous) cast with the scale of max(PARTIAL), stored
     at Q[r, c] and at QT[c, r] (both row-major); INV = the dequantization scale."""
     p = tl.arange(0, BLOCK_P)
-    scale = _scale(tl.max(tl.load(PARTIAL + p, mask=p < n_partial, other=0.0), 0), FP8_MAX)
+    scale = scale_of(tl.max(tl.load(PARTIAL + p, mask=p < n_partial, other=0.0), 0), FP8_MAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(INV, 1.0 / scale)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -267,27 +267,49 @@ TENSOR_TILES = (128, 128, 8)
 AMAX_PROGRAMS = 1024
 
 
-def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, rows: bool = True,
-                        transposed: bool = True) -> tuple:
-    """(q [R, C] or None, q^T [C, R] or None, dequantization scale [] fp32) of the 2-D x with one
-    scale for the whole matrix: an amax pass, then one cast pass writing the layouts asked for
-    (q^T row-major is the transpose's own cast: the same scale, the same rounding)."""
+def amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Partial maxima of |x| (2-D, rows contiguous, not empty), one per program of the amax pass
+    (up to AMAX_PROGRAMS): the cast kernels take the maximum of these as the tensor's amax."""
     n_rows, n_cols = x.shape
-    q = alloc((n_rows, n_cols), dtype, x.device) if rows else None
-    qt = alloc((n_cols, n_rows), dtype, x.device) if transposed else None
-    inv = alloc((), torch.float32, x.device)
-    if n_rows == 0 or n_cols == 0:
-        inv.fill_(EPS / MAX[dtype])
-        return q, qt, inv
-    if x.stride(1) != 1:
-        x = x.contiguous()
     block_c = min(next_pow2(n_cols), 256 if interpreting() else 1024)
     block_r = max(1, (4096 if interpreting() else 8192) // block_c)
     programs = min(cdiv(n_rows, block_r), 16 if interpreting() else AMAX_PROGRAMS)
     partial = alloc((programs,), torch.float32, x.device)
     _amax_partial_kernel[(programs,)](x, partial, n_rows, n_cols, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
                                       num_warps=8 if block_r * block_c >= 8192 else 4)
-    tile_r, tile_c, warps = (32, 64, 4) if interpreting() else TENSOR_TILES
+    return partial
+
+
+def cast_tiles() -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, warps) of the tensorwise cast's tiles (TENSOR_TILES on a GPU)."""
+    return (32, 64, 4) if interpreting() else TENSOR_TILES
+
+
+def tensorwise_outputs(n_rows: int, n_cols: int, dtype: torch.dtype, device, rows: bool, transposed: bool) -> tuple:
+    """(q [R, C] or None, q^T [C, R] or None, scale []) to be written by a tensorwise cast; the scale of
+    an empty matrix already set (finite)."""
+    q = alloc((n_rows, n_cols), dtype, device) if rows else None
+    qt = alloc((n_cols, n_rows), dtype, device) if transposed else None
+    inv = alloc((), torch.float32, device)
+    if n_rows == 0 or n_cols == 0:
+        inv.fill_(EPS / MAX[dtype])
+    return q, qt, inv
+
+
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, rows: bool = True,
+                        transposed: bool = True) -> tuple:
+    """(q [R, C] or None, q^T [C, R] or None, dequantization scale [] fp32) of the 2-D x with one
+    scale for the whole matrix: an amax pass, then one cast pass writing the layouts asked for
+    (q^T row-major is the transpose's own cast: the same scale, the same rounding)."""
+    n_rows, n_cols = x.shape
+    q, qt, inv = tensorwise_outputs(n_rows, n_cols, dtype, x.device, rows, transposed)
+    if n_rows == 0 or n_cols == 0:
+        return q, qt, inv
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    partial = amax_partials(x)
+    programs = partial.numel()
+    tile_r, tile_c, warps = cast_tiles()
     out = q if q is not None else qt
     _cast_both_kernel[(cdiv(n_rows, tile_r), cdiv(n_cols, tile_c))](
         x, out, qt if qt is not None else out, inv, partial, programs, n_rows, n_cols, x.stride(0),

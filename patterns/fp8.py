@@ -26,6 +26,9 @@ FP8 copy in the same kernel (their `_fp8` twins; the norm and GLU decisions cred
 saves, `with_cast_credit`). Under every recipe an input several linears read is cast once for all
 of them (tensorwise: a weight too).
 
+Tensorwise, in training: an LM head's cross-entropy joins it in one op whose backward writes the
+logits' gradient in FP8 (patterns/fp8_loss.py).
+
 Runs after the library's patterns (the LM head + loss, attention take their products first) and
 before the GEMM epilogue pass.
 """
@@ -41,6 +44,7 @@ from fusion_compiler.canonical import val
 from fusion_compiler.codegen.fp8 import ROW_MAX
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.ops import fp8 as fp8_op
+from fusion_compiler.patterns import fp8_loss
 from fusion_compiler.patterns.checks import float_dtype, one_device
 from fusion_compiler.patterns.gemm_horizontal import linear_operands
 
@@ -389,12 +393,19 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
         calls[node] = call
+    notes = {}
+    if not recipe.per_row:  # an LM head's cross-entropy joins it (patterns/fp8_loss.py)
+        for node in calls:
+            if node in needs_grad:
+                calls[node], notes[node] = fp8_loss.fuse(gm, calls[node], config.fp8_emulate)
     for node, a, w, estimate in taken:
         x_val, w_val = val(a), val(w)
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
         why = f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}"
+        if notes.get(node):
+            why += "; " + notes[node]
         log.add(_row(gid, calls[node], "applied", why, [x_val, w_val], estimate, recipe.per_row))
     if taken:
         gm.graph.eliminate_dead_code()

@@ -28,11 +28,15 @@ Triton kernels. Patterns rewrite regions into calls of these ops; they are usabl
     torch.ops.fusion.fp8_linear_tensorwise(x, w, <casts of x and w>, emulate)
                                                             -> x @ w^T in FP8 (per-tensor scales); its
                                                             backward reads only the FP8 transposes
+    torch.ops.fusion.fp8_linear_tensorwise_cross_entropy(x, w, <casts>, target, ignore_index, reduction, emulate)
+                                                            -> (logits, loss, saved lse, amax, count): the
+                                                            LM head in FP8 and its cross-entropy, whose
+                                                            backward writes the logits' gradient in FP8
     torch.ops.fusion.moe_experts(x, index, weight, weights, layout, act, impl)
                                                             -> (routed experts' sum, saved a1, h, perm,
                                                             offsets, rows): grouped GEMMs over sorted rows
     torch.ops.fusion.topk(x, k)                             -> torch.topk(x, k, -1) of short rows, one launch
 """
-from . import elementwise, embedding, fp8, gemm, loss, moe, multi_tensor, norm, topk  # noqa: F401  (registers the ops)
+from . import elementwise, embedding, fp8, fp8_cross_entropy, gemm, loss, moe, multi_tensor, norm, topk  # noqa: F401  (registers the ops)
 
 SUPPORTED_DTYPES = norm.SUPPORTED_DTYPES

@@ -63,22 +63,22 @@ def recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def _torch_only(t: Tensor, emulate: bool) -> bool:
+def torch_only(t: Tensor, emulate: bool) -> bool:
     """Emulating where Triton cannot run: torch's ops quantize (elsewhere our kernels, the interpreter
     on CPU included)."""
     return emulate and can_launch(t.device) is not None
 
 
 def _quantize(t: Tensor, dtype: torch.dtype, emulate: bool):
-    return (kernels.quantize_reference if _torch_only(t, emulate) else kernels.quantize)(t, dtype)
+    return (kernels.quantize_reference if torch_only(t, emulate) else kernels.quantize)(t, dtype)
 
 
-def _quantize_tensor(t: Tensor, dtype: torch.dtype, emulate: bool, rows: bool = True, transposed: bool = True):
-    fn = kernels.quantize_tensorwise_reference if _torch_only(t, emulate) else kernels.quantize_tensorwise
+def quantize_tensor(t: Tensor, dtype: torch.dtype, emulate: bool, rows: bool = True, transposed: bool = True):
+    fn = kernels.quantize_tensorwise_reference if torch_only(t, emulate) else kernels.quantize_tensorwise
     return fn(t, dtype, rows, transposed)
 
 
-def _scaled(qa: Tensor, sa: Tensor, qb_t: Tensor, sb: Tensor, out_dtype: torch.dtype, emulate: bool) -> Tensor:
+def scaled(qa: Tensor, sa: Tensor, qb_t: Tensor, sb: Tensor, out_dtype: torch.dtype, emulate: bool) -> Tensor:
     """qa [M, K] @ qb_t [K, N] with their dequantization scales (per row of qa and per column of qb_t,
     or per tensor), in fp32 from the dequantized operands when emulating."""
     if emulate:
@@ -91,7 +91,7 @@ def _gemm(a: Tensor, b: Tensor, a_dtype, b_dtype, out_dtype: torch.dtype, emulat
     """a [M, K] @ b [N, K]^T, both quantized by rows (along K); a's (q, scale) when given."""
     qa, sa = a_quantized if a_quantized is not None else _quantize(a, a_dtype, emulate)
     qb, sb = _quantize(b, b_dtype, emulate)
-    return _scaled(qa, sa, qb.t(), sb.t(), out_dtype, emulate)
+    return scaled(qa, sa, qb.t(), sb.t(), out_dtype, emulate)
 
 
 @fusion_op("fusion::fp8_linear")
@@ -174,7 +174,7 @@ fp8_linear.register_autograd(_grad, setup_context=_setup)
 
 @fusion_op("fusion::fp8_quantize_tensorwise")
 def fp8_quantize_tensorwise(t: Tensor, transposed: bool, emulate: bool) -> tuple[Tensor, Tensor, Tensor]:
-    q, qt, scale = _quantize_tensor(t, E4M3, emulate, transposed=transposed)
+    q, qt, scale = quantize_tensor(t, E4M3, emulate, transposed=transposed)
     return q, qt if transposed else q.new_empty(0), scale
 
 
@@ -196,7 +196,7 @@ def fp8_linear_tensorwise(x: Tensor, w: Tensor, qx: Tensor, qx_t: Tensor, x_scal
             or w_scale.dim():
         raise ValueError(f"fp8_linear_tensorwise: x {tuple(x.shape)} and w {tuple(w.shape)} need their e4m3 casts "
                          f"and a scale each, got {qx.dtype} {tuple(qx.shape)}, {qw.dtype} {tuple(qw.shape)}")
-    return _scaled(qx, x_scale, qw.t(), w_scale, x.dtype, emulate)
+    return scaled(qx, x_scale, qw.t(), w_scale, x.dtype, emulate)
 
 
 @fp8_linear_tensorwise.register_fake
@@ -209,13 +209,21 @@ def fp8_linear_tensorwise_backward(dy: Tensor, qx_t: Tensor, x_scale: Tensor, qw
                                    emulate: bool, needs: list[bool], w: Optional[Tensor] = None) -> list[Tensor]:
     if not any(needs):
         return [dy.new_empty(0), dy.new_empty(0)]
-    if needs[0] and qw_t.numel() == 0:  # w's transpose not held: cast it again
+    q, qt, scale = quantize_tensor(dy, recipe("tensorwise").grad_dtype, emulate, rows=needs[0], transposed=needs[1])
+    return tensorwise_grads(dy, q, qt, scale, qx_t, x_scale, qw_t, w_scale, w, emulate, needs)
+
+
+def tensorwise_grads(dy: Tensor, q: Optional[Tensor], qt: Optional[Tensor], scale: Tensor, qx_t: Tensor,
+                     x_scale: Tensor, qw_t: Tensor, w_scale: Tensor, w: Optional[Tensor], emulate: bool,
+                     needs: list[bool]) -> list[Tensor]:
+    """[dx = q(dy) @ q(w), dW = q(dy)^T @ q(x)] (empty where not needed) in dy's dtype, from dy's cast
+    (q, q^T, scale); w cast again where its transpose was not held (an empty qw_t)."""
+    if needs[0] and qw_t.numel() == 0:
         if w is None:
-            raise ValueError("fp8_linear_tensorwise_backward: dx needs q(w)^T or w")
-        _, qw_t, w_scale = _quantize_tensor(w, E4M3, emulate, rows=False)
-    q, qt, scale = _quantize_tensor(dy, recipe("tensorwise").grad_dtype, emulate, rows=needs[0], transposed=needs[1])
-    dx = _scaled(q, scale, qw_t.t(), w_scale, dy.dtype, emulate) if needs[0] else dy.new_empty(0)
-    dw = _scaled(qt, scale, qx_t.t(), x_scale, dy.dtype, emulate) if needs[1] else dy.new_empty(0)
+            raise ValueError("tensorwise backward: dx needs q(w)^T or w")
+        _, qw_t, w_scale = quantize_tensor(w, E4M3, emulate, rows=False)
+    dx = scaled(q, scale, qw_t.t(), w_scale, dy.dtype, emulate) if needs[0] else dy.new_empty(0)
+    dw = scaled(qt, scale, qx_t.t(), x_scale, dy.dtype, emulate) if needs[1] else dy.new_empty(0)
     return [dx, dw]
 
 

@@ -82,6 +82,11 @@ def test_opcheck_fp8_ops():
     for w_cast in (casts[1], unheld):
         torch.library.opcheck(fusion.fp8_linear_tensorwise, (x, w, *casts[0], *w_cast, True),
                               test_utils=checks + ("test_aot_dispatch_dynamic",))
+    target = torch.randint(0, 16, (32,))
+    target[3] = -100
+    for w_cast in (casts[1], unheld):  # the LM head fused with its cross-entropy
+        torch.library.opcheck(fusion.fp8_linear_tensorwise_cross_entropy,
+                              (x, w, *casts[0], *w_cast, target, -100, "mean", True), test_utils=checks)
     for op, args in [(fusion.fp8_quantize_rows, (x, True)), (fusion.fp8_quantize_tensorwise, (x, True, True)),
                      (fusion.fp8_quantize_tensorwise, (x, False, True)),
                      (fusion.rms_norm_fp8, (_p(3, 5, 40, dtype=bf16), _p(40, dtype=bf16), 1e-6)),
