@@ -397,7 +397,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     if not recipe.per_row:  # an LM head's cross-entropy joins it (patterns/fp8_loss.py)
         for node in calls:
             if node in needs_grad:
-                calls[node], notes[node] = fp8_loss.fuse(gm, calls[node], config.fp8_emulate)
+                calls[node], notes[node] = fp8_loss.fuse(gm, calls[node], config)
     for node, a, w, estimate in taken:
         x_val, w_val = val(a), val(w)
         reason = estimate.reason() if config.cost_model == "roofline" else \

@@ -18,6 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fusion_compiler import _compat
 from fusion_compiler.canonical import val
 
 aten = torch.ops.aten
@@ -90,7 +91,29 @@ def _hoist(target: fx.Node, before: fx.Node) -> bool:
     return True
 
 
-def fuse(gm: fx.GraphModule, call: fx.Node, emulate: bool) -> tuple[fx.Node, str | None]:
+_VERIFIED: dict = {}  # (dtype, device, reduction, emulate) -> None or the failure
+
+
+def _verify(x: torch.Tensor, reduction: str, emulate: bool) -> str | None:
+    """Run the op once, forward and backward, on small random data of x's dtype and device (its
+    kernels compile the same at every size): a failure keeps the loss apart."""
+    key = (x.dtype, str(x.device), reduction, emulate)
+    if key not in _VERIFIED:
+        try:
+            with torch.enable_grad(), _compat.tracing(None):
+                h = torch.randn(32, 64, dtype=x.dtype, device=x.device, requires_grad=True)
+                w = torch.randn(48, 64, dtype=x.dtype, device=x.device, requires_grad=True)
+                casts = [torch.ops.fusion.fp8_quantize_tensorwise(t.detach(), True, emulate) for t in (h, w)]
+                target = torch.randint(0, 48, (32,), device=x.device)
+                logits, loss, *_ = OP(h, w, *casts[0], *casts[1], target, -100, reduction, emulate)
+                torch.autograd.grad([logits, loss], [h, w], [torch.randn_like(logits), torch.ones_like(loss)])
+            _VERIFIED[key] = None
+        except Exception as e:  # noqa: BLE001  (any failure keeps the loss off our kernels)
+            _VERIFIED[key] = f"kernel failed: {type(e).__name__}: {str(e)[:200]}"
+    return _VERIFIED[key]
+
+
+def fuse(gm: fx.GraphModule, call: fx.Node, config) -> tuple[fx.Node, str | None]:
     """Rewrite the cross-entropy on fp8_linear_tensorwise `call`'s logits into the fused op; (the node
     now making the logits, a note for the decision row or None)."""
     found = _chain(call)
@@ -99,12 +122,14 @@ def fuse(gm: fx.GraphModule, call: fx.Node, emulate: bool) -> tuple[fx.Node, str
     log_softmax, nll, loss = found
     why = _legal(call, nll)
     _, target, _, reduction, ignore_index = nll.args
+    if why is None and config.verify_kernels:
+        why = _verify(val(call), _REDUCTIONS[reduction], config.fp8_emulate)
     if why is None and not _hoist(target, call):
         why = "its target is computed from the logits"
     if why:
         return call, f"its cross-entropy stays apart ({why})"
     graph = gm.graph
-    args = (*call.args[:8], target, ignore_index, _REDUCTIONS[reduction], emulate)
+    args = (*call.args[:8], target, ignore_index, _REDUCTIONS[reduction], config.fp8_emulate)
     with graph.inserting_before(call):
         fused = graph.call_function(OP, args)
         outs = [graph.call_function(operator.getitem, (fused, i)) for i in (0, 1)]

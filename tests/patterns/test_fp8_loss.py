@@ -177,7 +177,7 @@ def test_hf_llama_loss_fuses_and_trains_like_bf16(monkeypatch):
     assert out.logits.shape == ref.logits.shape and sqnr(out.logits, ref.logits) >= 20
     torch.compiler.reset()
     with monkeypatch.context() as patch:
-        patch.setattr(fp8_loss, "fuse", lambda gm, call, emulate: (call, None))
+        patch.setattr(fp8_loss, "fuse", lambda gm, call, config: (call, None))
         apart = torch.compile(model, backend=fc.backend(**config))(input_ids=ids, labels=ids)
         apart_grads = torch.autograd.grad(apart.loss, list(model.parameters()))
     for g, g8, r in zip(grads, apart_grads, ref_grads):
@@ -212,3 +212,21 @@ def test_label_smoothing_keeps_the_loss_apart_and_inference_does_not_fuse():
         assert row.verdict == "applied" and ("cross-entropy fused" in row.reason) == fused
         assert ("fusion::fp8_linear_tensorwise_cross_entropy" in fusion_ops(be)) == fused
         assert abs(loss.item() - ref.item()) < 0.01 * ref.item()
+
+
+def test_a_kernel_that_fails_keeps_the_loss_apart(monkeypatch):
+    """The fused op is run once at compile time (verify_kernels); when its kernel fails the loss stays
+    with Inductor's, the FP8 linear is still taken, the row names the failure and the result is right."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel")
+    monkeypatch.setattr(fp8_loss, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "grad_cast", broken)
+    head = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    x, labels = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 96, (32,))
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="tensorwise", fp8_emulate=True, families={"fp8"})
+    loss = torch.compile(lambda x, t: F.cross_entropy(head(x).float(), t), backend=be)(x, labels)
+    loss.backward()
+    [row] = [d for d in be.log.decisions if d.pattern == "fp8_linear"]
+    assert row.verdict == "applied" and "stays apart (kernel failed: RuntimeError: no kernel)" in row.reason
+    assert "fusion::fp8_linear_tensorwise_cross_entropy" not in fusion_ops(be)
+    assert abs(loss.item() - F.cross_entropy(head(x).float(), labels).item()) < 0.01 * loss.item()
