@@ -4,7 +4,8 @@ mode prefix.
 
     python benchmarks/fp8_variants.py VARIANT SCRIPT [its arguments]   (SCRIPT: bench_fp8.py, bench_llama_step.py)
 
-e4m3_dy: the output gradient cast to e4m3 (max 448) instead of e5m2.
+e4m3_dy: the output gradient cast to e4m3 (max 448) instead of e5m2 (so the LM head keeps bf16, by the
+    e4m3 recipes' logits rule: compare it with head_bf16, which differs from it in dy's format alone).
 head_bf16: the LM head keeps bf16 (the e4m3 recipes' logits rule, patterns/fp8.py, applied to tensorwise).
 fast_accum_fwd: the forward GEMM with torch._scaled_mm's use_fast_accum (torchao's default for it).
 """
