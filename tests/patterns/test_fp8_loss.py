@@ -230,3 +230,21 @@ def test_a_kernel_that_fails_keeps_the_loss_apart(monkeypatch):
     assert row.verdict == "applied" and "stays apart (kernel failed: RuntimeError: no kernel)" in row.reason
     assert "fusion::fp8_linear_tensorwise_cross_entropy" not in fusion_ops(be)
     assert abs(loss.item() - F.cross_entropy(head(x).float(), labels).item()) < 0.01 * loss.item()
+
+
+def test_16_bit_logits_and_a_sum_fuse_too():
+    """Cross-entropy straight on bf16 logits (no upcast; the loss comes back bf16) with reduction sum:
+    fused, the loss within bf16's rounding of eager's, the gradients within the recipe's error."""
+    head = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    x, labels = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 96, (48,))
+    labels[[1, 4]] = -100
+
+    def fn(x, t):
+        return F.cross_entropy(head(x), t, reduction="sum")
+    be = fc.backend(handoff="aot_eager", cost_model="always", fp8="tensorwise", fp8_emulate=True, families={"fp8"})
+    loss = torch.compile(fn, backend=be)(x, labels)
+    ref = fn(x, labels)
+    assert "fusion::fp8_linear_tensorwise_cross_entropy" in fusion_ops(be) and loss.dtype == torch.bfloat16
+    assert abs(loss.item() - ref.item()) < 0.01 * abs(ref.item())
+    for got, want in zip(torch.autograd.grad(loss, [x, head.weight]), torch.autograd.grad(ref, [x, head.weight])):
+        assert sqnr(got, want) >= 20
