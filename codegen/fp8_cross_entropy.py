@@ -136,11 +136,12 @@ def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, me
     if dy is not None and dy.stride(1) != 1:
         dy = dy.contiguous()
     partial = amax_partials(dy) if dy is not None else torch.zeros(1, dtype=torch.float32, device=logits.device)
+    dy = dy if dy is not None else logits  # never read: its amax is 0
     tile_r, tile_c, warps = cast_tiles()
     out = q if q is not None else qt
     _grad_cast_kernel[(cdiv(n, tile_r), cdiv(v, tile_c))](
-        logits, lse, target, dy if dy is not None else logits, partial, partial.numel(), dloss, count, amax,
-        out, qt if qt is not None else out, inv, n, v, logits.stride(0), (dy if dy is not None else logits).stride(0),
+        logits, lse, target, dy, partial, partial.numel(), dloss, count, amax,
+        out, qt if qt is not None else out, inv, n, v, logits.stride(0), dy.stride(0),
         ignore_index, MEAN=mean, WRITE_Q=rows, WRITE_QT=transposed, **cast_args(dtype), BLOCK_R=tile_r,
         BLOCK_C=tile_c, BLOCK_P=next_pow2(partial.numel()), num_warps=warps)
     return q, qt, inv
@@ -154,8 +155,9 @@ def grad_cast_reference(logits, lse, target, dy, dloss, count, amax, ignore_inde
     valid = target != ignore_index
     onehot = torch.nn.functional.one_hot(target.clamp(min=0), x.shape[1]).float()
     d = ((x - lse[:, None]).exp() - onehot) * torch.where(valid, g, 0.0)[:, None]
-    amax_dy = dy.float().abs().amax() if dy is not None and dy.numel() else x.new_zeros(())
+    amax_dy = x.new_zeros(())
     if dy is not None:
+        amax_dy = dy.float().abs().amax()
         d = d + dy.float()
     scale = MAX[dtype] / (g.abs() * amax + amax_dy).clamp(min=EPS)
     q = (d * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
