@@ -247,3 +247,16 @@ def test_16_bit_logits_and_a_sum_fuse_too():
     assert abs(loss.item() - ref.item()) < 0.01 * abs(ref.item())
     for got, want in zip(torch.autograd.grad(loss, [x, head.weight]), torch.autograd.grad(ref, [x, head.weight])):
         assert sqnr(got, want) >= 20
+
+
+def test_the_op_rejects_what_it_does_not_compute():
+    """Called directly with a per-token loss, a target of the wrong shape or dtype, or an x that is not
+    the given cast's: a ValueError naming the problem, not a wrong result."""
+    x, w, target = _operands()
+    casts = [fusion.fp8_quantize_tensorwise(t.detach(), True, True) for t in (x, w)]
+    for bad_target, reduction, match in ((target, "none", "reduction 'none'"), (target[:-1], "mean", "is not int64"),
+                                         (target.int(), "mean", "is not int64")):
+        with pytest.raises(ValueError, match=match):
+            fusion.fp8_linear_tensorwise_cross_entropy(x, w, *casts[0], *casts[1], bad_target, -100, reduction, True)
+    with pytest.raises(ValueError, match="need their e4m3 casts"):
+        fusion.fp8_linear_tensorwise_cross_entropy(x, w, *casts[1], *casts[1], target, -100, "mean", True)
