@@ -8,6 +8,8 @@ e4m3_dy: the output gradient cast to e4m3 (max 448) instead of e5m2 (so the LM h
     e4m3 recipes' logits rule: compare it with head_bf16, which differs from it in dy's format alone).
 head_bf16: the LM head keeps bf16 (the e4m3 recipes' logits rule, patterns/fp8.py, applied to tensorwise).
 fast_accum_fwd: the forward GEMM with torch._scaled_mm's use_fast_accum (torchao's default for it).
+dy_bf16: the output gradient kept in 16 bits, the backward GEMMs in bf16 from the dequantized FP8 x^T and w^T,
+    the LM head in bf16 as head_bf16 (so compare with head_bf16: what e5m2 dy costs the other linears).
 """
 import dataclasses
 import runpy
@@ -34,7 +36,19 @@ def fast_accum_fwd():
     fp8_op.scaled_mm = lambda a, b, **kw: mm(a, b, use_fast_accum=a.dtype == torch.float8_e4m3fn, **kw)
 
 
-VARIANTS = {f.__name__: f for f in (e4m3_dy, head_bf16, fast_accum_fwd)}
+def dy_bf16():
+    head_bf16()
+
+    def grads(dy, q, qt, scale, qx_t, x_scale, qw_t, w_scale, w, emulate, needs):
+        if needs[0] and qw_t.numel() == 0:
+            _, qw_t, w_scale = fp8_op.quantize_tensor(w, fp8_op.E4M3, emulate, rows=False)
+        dx = dy @ (qw_t.t().float() * w_scale).to(dy.dtype) if needs[0] else dy.new_empty(0)
+        dw = dy.t() @ (qx_t.t().float() * x_scale).to(dy.dtype) if needs[1] else dy.new_empty(0)
+        return [dx, dw]
+    fp8_op.tensorwise_grads = grads
+
+
+VARIANTS = {f.__name__: f for f in (e4m3_dy, head_bf16, fast_accum_fwd, dy_bf16)}
 
 if __name__ == "__main__":
     variant, script = sys.argv[1:3]
