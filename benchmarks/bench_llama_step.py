@@ -9,7 +9,9 @@ fusion_fp8_{rowwise,tensorwise}: FusionConfig(fp8=recipe), the linears the cost 
 fusion_fp8_always: every linear in FP8 (rowwise) and nothing else rewritten; fusion_fp8_norm: the same and
 every RMSNorm fused (its kernel casts the next linears' input to FP8); fusion_fp8_norm_nofuse: the same
 with FusionConfig(fp8_fuse_cast=False) (each linear casts its input); fusion_fp8_tensorwise_mem: with
-prefer_memory=True (the backward casts each weight again, and recomputes cheap linear inputs). MODE_cg: with CUDA graphs
+prefer_memory=True (the backward casts each weight again, and recomputes cheap linear inputs);
+fusion_fp8_tensorwise_drop: with drop_logits=True (HF's returned logits come back empty, so autograd fills
+no zero gradient for them and the fused loss reads none). MODE_cg: with CUDA graphs
 (inductor_cg: torch.compile(mode="reduce-overhead"); fusion modes: FusionConfig(cudagraphs=True)).
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its
@@ -63,6 +65,7 @@ def make_step(mode, batch=2, seq=2048):
                                                fp8_fuse_cast=False),
           "fusion_cg": fc.backend(cudagraphs=True), "fusion_fp8_rowwise_cg": fc.backend(fp8="rowwise", cudagraphs=True),
           "fusion_fp8_tensorwise_cg": fc.backend(fp8="tensorwise", cudagraphs=True),
+          "fusion_fp8_tensorwise_drop_cg": fc.backend(fp8="tensorwise", cudagraphs=True, drop_logits=True),
           "fusion_fp8_tensorwise_mem": fc.backend(fp8="tensorwise", prefer_memory=True),
           "fusion_fp8_norm_cg": fc.backend(fp8="rowwise", cost_model="always", families={"fp8", "norm"},
                                            cudagraphs=True)}.get(mode)

@@ -93,7 +93,7 @@ _PASS_THROUGH = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.defaul
                  torch.ops.aten.slice.Tensor)
 
 
-def _returned_only(node: fx.Node) -> list[fx.Node] | None:
+def returned_only(node: fx.Node) -> list[fx.Node] | None:
     """The nodes that hand `node` to the graph's output when every use of it is a return (through
     views, slices and casts: HF's outputs.logits); None when it has any other use."""
     ends = []
@@ -101,7 +101,7 @@ def _returned_only(node: fx.Node) -> list[fx.Node] | None:
         if user.op == "output":
             ends.append(node)
         elif user.op == "call_function" and user.target in _PASS_THROUGH:
-            sub = _returned_only(user)
+            sub = returned_only(user)
             if sub is None:
                 return None
             ends.extend(sub)
@@ -123,7 +123,7 @@ def _droppable(match, config, training: bool) -> tuple[list[fx.Node], set]:
             continue
         for user in n.users:
             if user not in inside:
-                sub = [n] if user.op == "output" else _returned_only(user)
+                sub = [n] if user.op == "output" else returned_only(user)
                 if sub is None:
                     return [], set()
                 ends.extend(sub)
@@ -154,7 +154,7 @@ def _insertion_point(graph: fx.Graph, match, order: dict) -> tuple[fx.Node | Non
     return last, ""
 
 
-def _drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
+def drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
     """Return an empty tensor of the same dtype and device in place of each of `ends`."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     for end in dict.fromkeys(ends):
@@ -199,7 +199,7 @@ def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.N
                 new = cast
             # users inside the region are about to die (and may sit before the insertion point)
             old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in region)
-    _drop_returns(graph, list(dropped))
+    drop_returns(graph, list(dropped))
     graph.eliminate_dead_code()
 
 
@@ -316,7 +316,7 @@ def _verified(pattern, match) -> tuple[Match, str | None]:
 def _escape_reason(inner, user, pattern) -> str:
     where = location(user)
     reason = f"intermediate {inner.name} is also used by {user.name}" + (f" ({where})" if where else "")
-    if pattern.family == "loss" and (user.op == "output" or _returned_only(user) is not None):
+    if pattern.family == "loss" and (user.op == "output" or returned_only(user) is not None):
         reason += ("; it is only returned (e.g. HF's outputs.logits): FusionConfig(drop_logits=True) returns "
                    "an empty tensor instead in training")
     return reason

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fusion_compiler import _compat
 from fusion_compiler.canonical import val
+from fusion_compiler.engine import drop_returns, returned_only
 
 aten = torch.ops.aten
 OP = torch.ops.fusion.fp8_linear_tensorwise_cross_entropy.default
@@ -150,6 +151,11 @@ def fuse(gm: fx.GraphModule, call: fx.Node, config) -> tuple[fx.Node, str | None
     graph.erase_node(call)
     n, v = val(logits).shape
     moved = 3 * n * v * val(logits).element_size()
-    return fused, (f"its cross-entropy fused ({OP.name()}): the loss's backward writes the logits' gradient in "
-                   f"e5m2, both layouts, for the FP8 GEMMs; no {val(logits).dtype} gradient, amax pass or cast "
-                   f"({moved / 2**20:.0f} MiB less traffic)")
+    note = (f"its cross-entropy fused ({OP.name()}): the loss's backward writes the logits' gradient in e5m2, "
+            f"both layouts, for the FP8 GEMMs; no {val(logits).dtype} gradient, amax pass or cast "
+            f"({moved / 2**20:.0f} MiB less traffic)")
+    ends = returned_only(logits) if config.drop_logits else None
+    if ends:
+        drop_returns(graph, ends)
+        note += "; returned logits dropped (an empty tensor, drop_logits=True): no gradient of theirs to fill or read"
+    return fused, note

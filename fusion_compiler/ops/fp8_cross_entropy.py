@@ -86,6 +86,7 @@ def _setup(ctx, inputs, output):
     x, w, qx, qx_t, x_scale, qw, qw_t, w_scale, target, ctx.ignore_index, ctx.reduction, ctx.emulate = inputs
     logits, _, lse, amax, count = output
     ctx.mark_non_differentiable(lse, amax, count)
+    ctx.set_materialize_grads(False)  # logits nobody differentiates: None, not a tensor of zeros to fill and read
     ctx.save_for_backward(logits, lse, target, amax, count, qx_t, x_scale, qw_t, w_scale,
                           *([w] if qw_t.numel() == 0 else []))
 

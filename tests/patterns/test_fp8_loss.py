@@ -187,6 +187,50 @@ def test_hf_llama_loss_fuses_and_trains_like_bf16(monkeypatch):
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
 
 
+def test_drop_logits_returns_them_empty_and_the_backward_reads_no_gradient_of_theirs(monkeypatch):
+    """FusionConfig(drop_logits=True) on a real HF Llama: outputs.logits come back empty, the row says
+    so, the backward kernel gets no logits gradient (None: nothing filled with zeros or read), and the
+    loss and every gradient are those of the same FP8 path with the logits returned (its logits'
+    gradient is all zero: the same scale, so equal to fp32 rounding). Logits used by anything else (a
+    z-loss) are not dropped."""
+    seen = []
+    cast = kernels.grad_cast_reference
+    monkeypatch.setattr(kernels, "grad_cast_reference", lambda *a, **k: seen.append(a[3]) or cast(*a, **k))
+    monkeypatch.setattr(kernels, "grad_cast", lambda *a, **k: seen.append(a[3]) or cast(*a, **k))
+    ids = torch.randint(0, 512, (2, 40))
+    config = dict(handoff="aot_eager", fp8="tensorwise", fp8_emulate=True, cost_model="always", families={"fp8"})
+    runs = {}
+    for drop in (False, True):
+        torch.compiler.reset()
+        model, be = _llama(), fc.backend(drop_logits=drop, **config)
+        out = torch.compile(model, backend=be)(input_ids=ids, labels=ids)
+        seen.clear()
+        runs[drop] = out, torch.autograd.grad(out.loss, list(model.parameters())), list(seen), be
+    (kept, kept_grads, kept_seen, _), (dropped, grads, dropped_seen, be) = runs[False], runs[True]
+    assert kept.logits.shape == (2, 40, 512) and dropped.logits.numel() == 0
+    assert kept_seen and all(d is not None and not d.any() for d in kept_seen)
+    assert dropped_seen and all(d is None for d in dropped_seen)
+    [head] = [d for d in be.log.decisions if d.pattern == "fp8_linear" and d.inputs[1] == "bf16[512, 128]"]
+    assert "cross-entropy fused" in head.reason and "returned logits dropped" in head.reason
+    assert torch.equal(dropped.loss, kept.loss)
+    for g, k in zip(grads, kept_grads):
+        assert torch.allclose(g.float(), k.float(), rtol=1e-2, atol=1e-6) and sqnr(g, k) >= 40
+
+    class ZLoss(torch.nn.Module):
+        def __init__(self, llama):
+            super().__init__()
+            self.llama = llama
+
+        def forward(self, ids):
+            out = self.llama(input_ids=ids, labels=ids)
+            return out.loss + 1e-4 * out.logits.float().logsumexp(-1).pow(2).mean(), out.logits
+    torch.compiler.reset()
+    be = fc.backend(drop_logits=True, **config)
+    loss, logits = torch.compile(ZLoss(_llama()), backend=be)(ids)
+    [head] = [d for d in be.log.decisions if d.pattern == "fp8_linear" and d.inputs[1] == "bf16[512, 128]"]
+    assert "cross-entropy fused" in head.reason and "dropped" not in head.reason and logits.shape == (2, 40, 512)
+
+
 def test_label_smoothing_keeps_the_loss_apart_and_inference_does_not_fuse():
     """A cross-entropy the op does not compute (label smoothing) stays apart, with the reason on the
     LM head's row (the FP8 linear still taken); without gradients nothing is fused."""
