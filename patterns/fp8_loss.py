@@ -158,4 +158,6 @@ def fuse(gm: fx.GraphModule, call: fx.Node, config) -> tuple[fx.Node, str | None
     if ends:
         drop_returns(graph, ends)
         note += "; returned logits dropped (an empty tensor, drop_logits=True): no gradient of theirs to fill or read"
+    elif config.drop_logits and ends is None:
+        note += "; logits kept although drop_logits=True: the graph uses them for more than returning them"
     return fused, note
