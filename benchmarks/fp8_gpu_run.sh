@@ -1,7 +1,8 @@
-# Issue 7's GPU measurements in one device call (limits sum to 530 s; never run yet: no GPU started; from the repo root, with the
-# torchao wheel carried in .whl/): the reference step profiled (Inductor, our FP8 with and without
-# drop_logits, torchao float8), then 300-step loss runs on real text in parallel processes, pooled by mode
-# (bf16, ours, torchao, and fp8_variants.py's ablations). STEP_S / LOSS_S: each part's time limit.
+# Issue 7's GPU measurements in one device call, from the repo root with the torchao wheel carried in .whl/
+# (time limits sum to 530 s; not yet run: no GPU started at stop 33): the reference step profiled (Inductor,
+# our FP8 with and without drop_logits, torchao float8), then 300-step loss runs on real text in parallel
+# processes, pooled by mode (bf16, ours, torchao, and fp8_variants.py's ablations). STEP_S / LOSS_S: each
+# part's time limit.
 source benchmarks/gpu_setup.sh
 cd benchmarks
 D=$(date +%F)
