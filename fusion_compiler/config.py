@@ -41,7 +41,7 @@ class FusionConfig:
         unchanged). Off by default: a region whose logits are returned is a near-miss, and says so.
         Under fp8="tensorwise" the FP8 LM head fused with its cross-entropy (patterns/fp8_loss.py)
         needs its logits for the backward, so they are still made; dropping the returned ones spares
-        autograd's all-zero gradient for them (a fill, a copy into a CUDA graph, a read).
+        autograd's all-zero gradient for them (a fill and a read; likely a copy into a CUDA graph too).
     prefer_memory: also take rewrites that cut peak memory at a measured time cost of at most 15% on
         their region (the chunked LM head + loss at large vocabularies: about half the memory of
         Inductor's, 8-12% slower at 128K-256K). Off by default: do no harm to speed. With fp8="tensorwise"
