@@ -3,9 +3,12 @@ step's operands:
 - quantize_strided (per-row scales of a transposed operand: the backward's x^T, dy^T, w^T): every
   (BLOCK_R, BLOCK_C, CHUNK, warps), amax pass + cast;
 - quantize_tensorwise (a per-tensor scale, q and q^T from one cast): every (BLOCK_R, BLOCK_C, warps)
-  of the cast tiles, amax pass + cast.
+  of the cast tiles, amax pass + cast;
+- grad_cast (the FP8 LM head's loss gradient written in e5m2, both layouts, codegen/fp8_cross_entropy.py)
+  on the reference step's logits (4096 x 128256): the same cast tiles, without the logits' gradient
+  (drop_logits) and with an all-zero one (its amax pass, then the kernel's branch that skips reading it).
 
-    python benchmarks/tune_fp8_quantize.py [--parts strided tensorwise]
+    python benchmarks/tune_fp8_quantize.py [--parts strided tensorwise grad_cast]
 """
 import argparse
 import itertools
@@ -15,7 +18,7 @@ import os
 import torch
 
 from common import bench_gpu_ms, env, save, table
-from fusion_compiler.codegen import fp8
+from fusion_compiler.codegen import fp8, fp8_cross_entropy
 
 SHAPES = ((4096, 2048), (4096, 8192), (8192, 2048), (4096, 512), (4096, 128256))
 E4M3 = torch.float8_e4m3fn
@@ -60,6 +63,39 @@ def tensorwise_rows(m: int, k: int) -> list:
     return _best(timed, default)
 
 
+GRAD_CAST_TILES = ((32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 8),
+                   (128, 128, 8), (128, 256, 8))
+
+
+def grad_cast_rows(n: int = 4096, v: int = 128256) -> list:
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
+    target = torch.randint(0, v, (n,), device="cuda")
+    _, lse, amax = fp8_cross_entropy.stats(logits, target, -100)
+    dloss, count = torch.ones((), device="cuda"), torch.tensor(float(n), device="cuda")
+    zeros = torch.zeros_like(logits)
+    ref_q, _, ref_inv = fp8_cross_entropy.grad_cast_reference(logits, lse, target, None, dloss, count, amax, -100,
+                                                              True, torch.float8_e5m2, transposed=False)
+    default, rows = fp8.TENSOR_TILES, []
+    try:
+        for dy, label in ((None, "grad_cast"), (zeros, "grad_cast, zero dy")):
+            timed = []
+            for tiles in GRAD_CAST_TILES:
+                fp8.TENSOR_TILES = tiles
+                run = lambda: fp8_cross_entropy.grad_cast(logits, lse, target, dy, dloss, count, amax, -100, True,
+                                                          torch.float8_e5m2)
+                q, qt, inv = run()
+                assert torch.allclose(inv, ref_inv, rtol=1e-6) and torch.equal(qt.float(), q.float().t()), tiles
+                assert torch.allclose(q.float(), ref_q.float(), rtol=0.25, atol=2.0 ** -16), tiles  # an e5m2 step
+                ms = bench_gpu_ms(run)
+                timed.append(dict(part=label, shape=f"({n}, {v})", tiles=str(tiles), ms=round(ms, 4),
+                                  gbps=round(4 * n * v / ms / 1e6)))
+            fp8.TENSOR_TILES = default
+            rows += _best(timed, default)
+    finally:
+        fp8.TENSOR_TILES = default
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["strided", "tensorwise"])
@@ -70,6 +106,8 @@ def main():
             rows += strided_rows(m, k)
         if "tensorwise" in a.parts:
             rows += tensorwise_rows(m, k)
+    if "grad_cast" in a.parts:
+        rows += grad_cast_rows()
     save(os.environ.get("BENCH_NAME", "tune_fp8_quantize.json"), {"env": env(), "rows": rows})
     print(table(rows, ["part", "shape", "tiles", "ms", "gbps"]))
 

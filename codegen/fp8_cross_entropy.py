@@ -92,12 +92,13 @@ def stats_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: in
 
 @triton.jit
 def _grad_cast_kernel(X, LSE, TARGET, DY, PARTIAL, n_partial, DLOSS, COUNT, AMAX, Q, QT, INV, R, C, s_x, s_dy,
-                      ignore_index, MEAN: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                      FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+                      ignore_index, MEAN: tl.constexpr, HAS_DY: tl.constexpr, WRITE_Q: tl.constexpr,
+                      WRITE_QT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
                       MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """One BLOCK_R x BLOCK_C tile of d = g * (softmax(x) - onehot) + dy cast with the scale of
-    |g| * AMAX + max(PARTIAL), stored at Q[r, c] and QT[c, r]; INV = the dequantization scale."""
+    |g| * AMAX + max(PARTIAL), stored at Q[r, c] and QT[c, r]; INV = the dequantization scale. HAS_DY:
+    there is a dy (read only where its amax is not 0)."""
     p = tl.arange(0, BLOCK_P)
     amax_dy = tl.max(tl.load(PARTIAL + p, mask=p < n_partial, other=0.0), 0)
     g = tl.load(DLOSS).to(tl.float32)
@@ -115,8 +116,9 @@ def _grad_cast_kernel(X, LSE, TARGET, DY, PARTIAL, n_partial, DLOSS, COUNT, AMAX
     g_row = tl.where(t != ignore_index, g, 0.0)
     x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     d = (tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * g_row[:, None]
-    if amax_dy != 0.0:
-        d += tl.load(DY + rows[:, None].to(tl.int64) * s_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DY:
+        if amax_dy != 0.0:
+            d += tl.load(DY + rows[:, None].to(tl.int64) * s_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q = cast(d, scale, FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
     if WRITE_Q:
         tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
@@ -135,14 +137,15 @@ def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, me
         return q, qt, inv
     if dy is not None and dy.stride(1) != 1:
         dy = dy.contiguous()
-    partial = amax_partials(dy) if dy is not None else torch.zeros(1, dtype=torch.float32, device=logits.device)
-    dy = dy if dy is not None else logits  # never read: its amax is 0
+    has_dy = dy is not None
+    partial = amax_partials(dy) if has_dy else torch.zeros(1, dtype=torch.float32, device=logits.device)
+    dy = dy if has_dy else logits  # never read
     tile_r, tile_c, warps = cast_tiles()
     out = q if q is not None else qt
     _grad_cast_kernel[(cdiv(n, tile_r), cdiv(v, tile_c))](
         logits, lse, target, dy, partial, partial.numel(), dloss, count, amax,
         out, qt if qt is not None else out, inv, n, v, logits.stride(0), dy.stride(0),
-        ignore_index, MEAN=mean, WRITE_Q=rows, WRITE_QT=transposed, **cast_args(dtype), BLOCK_R=tile_r,
+        ignore_index, MEAN=mean, HAS_DY=has_dy, WRITE_Q=rows, WRITE_QT=transposed, **cast_args(dtype), BLOCK_R=tile_r,
         BLOCK_C=tile_c, BLOCK_P=next_pow2(partial.numel()), num_warps=warps)
     return q, qt, inv
 
