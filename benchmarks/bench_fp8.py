@@ -292,13 +292,14 @@ def train(mode: str, steps: int, schedule: str = "cosine", layers: int = 8, lr: 
 def summarize(payloads: dict) -> None:
     """The final loss (mean of the last 20 steps) of each run in the payloads, by mode (a mode's name
     is prefixed with its file's `mode_prefix`, when it has one): mean, sd, and the mean's distance
-    from bf16's."""
+    from bf16's of the same prefix."""
     runs = {}
     for payload in payloads.values():
         for key, losses in payload["train"].items():
             runs.setdefault(payload.get("mode_prefix", "") + key.split("#")[0], []).append(sum(losses[-20:]) / 20)
-    base = statistics.mean(runs["bf16"]) if "bf16" in runs else None
     for mode, tails in runs.items():
+        prefix = mode[:mode.rfind(":") + 1]
+        base = statistics.mean(runs[prefix + "bf16"]) if prefix + "bf16" in runs else None
         mean = statistics.mean(tails)
         sd = statistics.stdev(tails) / mean * 100 if len(tails) > 1 else float("nan")
         vs = f" ({(mean / base - 1) * 100:+.2f}% vs bf16)" if base else ""

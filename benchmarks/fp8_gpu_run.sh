@@ -1,5 +1,5 @@
 # Issue 7's GPU measurements in one device call, from the repo root with the torchao wheel carried in .whl/
-# (time limits sum to 530 s; not yet run: no GPU started at stop 33): the reference step profiled (Inductor,
+# (time limits sum to 530 s; run at stop 36 as call 1, benchmarks/RESULTS.md): the reference step profiled (Inductor,
 # our FP8 with and without drop_logits, torchao float8), then 300-step loss runs on real text in parallel
 # processes, pooled by mode (bf16, ours, torchao, and fp8_variants.py's ablations). STEP_S / LOSS_S: each
 # part's time limit.

@@ -10,9 +10,6 @@ head_bf16: the LM head keeps bf16 (the e4m3 recipes' logits rule, patterns/fp8.p
 fast_accum_fwd: the forward GEMM with torch._scaled_mm's use_fast_accum (torchao's default for it).
 dy_bf16: the output gradient kept in 16 bits, the backward GEMMs in bf16 from the dequantized FP8 x^T and w^T,
     the LM head in bf16 as head_bf16 (so compare with head_bf16: what e5m2 dy costs the other linears).
-fwd_bf16, x_bf16_fwd, w_bf16_fwd: the forward GEMM of `fusion::fp8_linear_tensorwise` in bf16 from x and w
-    both, from x and the dequantized q(w), or from the dequantized q(x) and w; its backward (and the LM
-    head's fused loss op) unchanged, in FP8.
 """
 import dataclasses
 import runpy
@@ -51,38 +48,7 @@ def dy_bf16():
     fp8_op.tensorwise_grads = grads
 
 
-def _forward(make):
-    """fp8_linear_tensorwise's kernel replaced by y = a @ b^T from make(x, qx, x_scale, w, qw, w_scale) -> (a, b)."""
-    def fwd(x, w, qx, qx_t, x_scale, qw, qw_t, w_scale, emulate):
-        a, b = make(x, qx, x_scale, w, qw, w_scale)
-        return a @ b.t()
-    lib = torch.library.Library("fusion", "IMPL")
-    for key in ("CUDA", "CPU"):
-        lib.impl("fp8_linear_tensorwise", fwd, key)
-    _LIBS.append(lib)
-
-
-_LIBS = []  # the overriding registrations live as long as their Library objects
-
-
-def _deq(q, scale, like):
-    return (q.float() * scale).to(like.dtype)
-
-
-def fwd_bf16():
-    _forward(lambda x, qx, xs, w, qw, ws: (x, w))
-
-
-def x_bf16_fwd():
-    _forward(lambda x, qx, xs, w, qw, ws: (x, _deq(qw, ws, w)))
-
-
-def w_bf16_fwd():
-    _forward(lambda x, qx, xs, w, qw, ws: (_deq(qx, xs, x), w))
-
-
-VARIANTS = {f.__name__: f for f in (e4m3_dy, head_bf16, fast_accum_fwd, dy_bf16, fwd_bf16, x_bf16_fwd,
-                                    w_bf16_fwd)}
+VARIANTS = {f.__name__: f for f in (e4m3_dy, head_bf16, fast_accum_fwd, dy_bf16)}
 
 if __name__ == "__main__":
     variant, script = sys.argv[1:3]

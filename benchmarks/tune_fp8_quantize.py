@@ -6,7 +6,8 @@ step's operands:
   of the cast tiles, amax pass + cast;
 - grad_cast (the FP8 LM head's loss gradient written in e5m2, both layouts, codegen/fp8_cross_entropy.py)
   on the reference step's logits (4096 x 128256): the same cast tiles, without the logits' gradient
-  (drop_logits) and with an all-zero one (its amax pass, then the kernel's branch that skips reading it).
+  (drop_logits), with an all-zero one and with a random one (with a dy: the kernel writes q, q^T is copied
+  from it); each row checks q against torch, and q^T against q.
 
     python benchmarks/tune_fp8_quantize.py [--parts strided tensorwise grad_cast]
 """
@@ -63,8 +64,8 @@ def tensorwise_rows(m: int, k: int) -> list:
     return _best(timed, default)
 
 
-GRAD_CAST_TILES = ((32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 8),
-                   (128, 128, 8), (128, 256, 8))
+TILES = ((32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 8),
+        (128, 128, 8), (128, 256, 8))
 
 
 def grad_cast_rows(n: int = 4096, v: int = 128256) -> list:
@@ -73,26 +74,28 @@ def grad_cast_rows(n: int = 4096, v: int = 128256) -> list:
     _, lse, amax = fp8_cross_entropy.stats(logits, target, -100)
     dloss, count = torch.ones((), device="cuda"), torch.tensor(float(n), device="cuda")
     zeros = torch.zeros_like(logits)
-    ref_q, _, ref_inv = fp8_cross_entropy.grad_cast_reference(logits, lse, target, None, dloss, count, amax, -100,
-                                                              True, torch.float8_e5m2, transposed=False)
-    default, rows = fp8.TENSOR_TILES, []
+    default, rows = fp8_cross_entropy.GRAD_CAST_TILES, []
     try:
-        for dy, label in ((None, "grad_cast"), (zeros, "grad_cast, zero dy")):
+        for dy, label in ((None, "grad_cast"), (zeros, "grad_cast, zero dy"), (zeros + 1e-4 * torch.randn_like(zeros),
+                                                                              "grad_cast, dy")):
+            ref_q, _, ref_inv = fp8_cross_entropy.grad_cast_reference(logits, lse, target, dy, dloss, count, amax, -100,
+                                                                      True, torch.float8_e5m2, transposed=False)
             timed = []
-            for tiles in GRAD_CAST_TILES:
-                fp8.TENSOR_TILES = tiles
+            for tiles in TILES:
+                fp8_cross_entropy.GRAD_CAST_TILES = tiles
                 run = lambda: fp8_cross_entropy.grad_cast(logits, lse, target, dy, dloss, count, amax, -100, True,
                                                           torch.float8_e5m2)
                 q, qt, inv = run()
-                assert torch.allclose(inv, ref_inv, rtol=1e-6) and torch.equal(qt.float(), q.float().t()), tiles
-                assert torch.allclose(q.float(), ref_q.float(), rtol=0.25, atol=2.0 ** -16), tiles  # an e5m2 step
+                checks = dict(inv_rel=f"{((inv - ref_inv).abs() / ref_inv).item():.1e}",
+                              qt_unlike_q_t=f"{(qt.float() != q.float().t()).float().mean().item():.1e}",
+                              # below: within an e5m2 step
+                              q_in_a_step=torch.allclose(q.float(), ref_q.float(), rtol=0.25, atol=2.0 ** -16))
                 ms = bench_gpu_ms(run)
                 timed.append(dict(part=label, shape=f"({n}, {v})", tiles=str(tiles), ms=round(ms, 4),
-                                  gbps=round(4 * n * v / ms / 1e6)))
-            fp8.TENSOR_TILES = default
-            rows += _best(timed, default)
+                                  gbps=round(4 * n * v / ms / 1e6), **checks))
+            rows += sorted(timed, key=lambda r: r["ms"])
     finally:
-        fp8.TENSOR_TILES = default
+        fp8_cross_entropy.GRAD_CAST_TILES = default
     return rows
 
 
@@ -109,7 +112,7 @@ def main():
     if "grad_cast" in a.parts:
         rows += grad_cast_rows()
     save(os.environ.get("BENCH_NAME", "tune_fp8_quantize.json"), {"env": env(), "rows": rows})
-    print(table(rows, ["part", "shape", "tiles", "ms", "gbps"]))
+    print(table(rows, ["part", "shape", "tiles", "ms", "gbps", "inv_rel", "qt_unlike_q_t", "q_in_a_step"]))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ used them):
     d = g * (softmax(x) - onehot(t)) + dy
 cast to e5m2 with the scale of |g| * amax + max |dy| (an amax pass over dy first): the exact amax of
 d when dy is zero, a bound on it otherwise (never an overflow, at most a 2x coarser scale). One read
-of x per tile (dy only when its amax is not 0), q and q^T written from the same registers. The bf16
+of x per tile (dy only when its amax is not 0), q and q^T written from the same registers (with a dy,
+q alone, and q^T copied from it: see grad_cast). The bf16
 gradient never exists: against Inductor's backward (read x and dy, write d) followed by an amax pass
 and a cast (each reading d), 3 x N x V x 2 bytes fewer move.
 """
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import EPS, MAX, amax_partials, cast, cast_args, cast_tiles, scale_of, tensorwise_outputs
+from .fp8 import EPS, MAX, amax_partials, cast, cast_args, scale_of, tensorwise_outputs
 from .launch import alloc, cdiv, interpreting, next_pow2
 
 
@@ -116,14 +117,19 @@ def _grad_cast_kernel(X, LSE, TARGET, DY, PARTIAL, n_partial, DLOSS, COUNT, AMAX
     g_row = tl.where(t != ignore_index, g, 0.0)
     x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     d = (tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * g_row[:, None]
-    if HAS_DY:
-        if amax_dy != 0.0:
-            d += tl.load(DY + rows[:, None].to(tl.int64) * s_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DY:  # a predicated load: where dy's amax is 0 it moves no bytes
+        read = (tl.zeros_like(d) + amax_dy) != 0.0
+        d += tl.load(DY + rows[:, None].to(tl.int64) * s_dy + cols[None, :], mask=mask & read, other=0.0).to(tl.float32)
     q = cast(d, scale, FP8_TYPE, FP8_MAX, ROUND, MANT, MIN_NORMAL, SUB_STEP)
     if WRITE_Q:
         tl.store(Q + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=mask)
     if WRITE_QT:
         tl.store(QT + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=mask)
+
+
+# (BLOCK_R, BLOCK_C, warps): the best of 8 on the H100 at the reference step's logits, 4096 x 128256
+# (benchmarks/tune_fp8_quantize.py --parts grad_cast, stop 36: 1.17 ms against 1.90 at the cast's 128 x 128 x 8)
+GRAD_CAST_TILES = (32, 128, 4)
 
 
 def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, mean: bool, dtype: torch.dtype,
@@ -140,13 +146,18 @@ def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, me
     has_dy = dy is not None
     partial = amax_partials(dy) if has_dy else torch.zeros(1, dtype=torch.float32, device=logits.device)
     dy = dy if has_dy else logits  # never read
-    tile_r, tile_c, warps = cast_tiles()
-    out = q if q is not None else qt
+    tile_r, tile_c, warps = (32, 64, 4) if interpreting() else GRAD_CAST_TILES
+    # with a dy, the kernel's own q^T came out unlike q's transpose on the H100 (a quarter of the elements
+    # at every tile, stop 36; the interpreter agrees): there q^T is copied from q instead
+    direct_qt = transposed and not has_dy
+    out = q if q is not None else (qt if direct_qt else alloc((n, v), dtype, logits.device))
     _grad_cast_kernel[(cdiv(n, tile_r), cdiv(v, tile_c))](
         logits, lse, target, dy, partial, partial.numel(), dloss, count, amax,
-        out, qt if qt is not None else out, inv, n, v, logits.stride(0), dy.stride(0),
-        ignore_index, MEAN=mean, HAS_DY=has_dy, WRITE_Q=rows, WRITE_QT=transposed, **cast_args(dtype), BLOCK_R=tile_r,
-        BLOCK_C=tile_c, BLOCK_P=next_pow2(partial.numel()), num_warps=warps)
+        out, qt if direct_qt else out, inv, n, v, logits.stride(0), dy.stride(0),
+        ignore_index, MEAN=mean, HAS_DY=has_dy, WRITE_Q=out is not qt, WRITE_QT=direct_qt, **cast_args(dtype),
+        BLOCK_R=tile_r, BLOCK_C=tile_c, BLOCK_P=next_pow2(partial.numel()), num_warps=warps)
+    if transposed and not direct_qt:
+        qt.copy_(out.t())
     return q, qt, inv
 
 

@@ -8,6 +8,8 @@ fused and unfused FP8 paths round dy from different values (fp32 here, bf16 ther
 different scales: two independent FP8 roundings, each ~24 dB from bf16, so ~21 dB apart on one linear
 (>= 18 dB asserted; measured 20-25) and 24-58 dB on a model's parameters (>= 20).
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -278,7 +280,9 @@ def test_a_kernel_that_fails_keeps_the_loss_apart(monkeypatch):
 
 def test_16_bit_logits_and_a_sum_fuse_too():
     """Cross-entropy straight on bf16 logits (no upcast; the loss comes back bf16) with reduction sum:
-    fused, the loss within bf16's rounding of eager's, the gradients within the recipe's error."""
+    fused, the loss within two bf16 steps of the same FP8 linear's logits through torch's cross-entropy
+    (against bf16's logits it differs by the FP8 error, 1.3% with some seeds), the gradients within the
+    recipe's error of bf16 eager's."""
     head = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
     x, labels = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 96, (48,))
     labels[[1, 4]] = -100
@@ -289,7 +293,10 @@ def test_16_bit_logits_and_a_sum_fuse_too():
     loss = torch.compile(fn, backend=be)(x, labels)
     ref = fn(x, labels)
     assert "fusion::fp8_linear_tensorwise_cross_entropy" in fusion_ops(be) and loss.dtype == torch.bfloat16
-    assert abs(loss.item() - ref.item()) < 0.01 * abs(ref.item())
+    with torch.no_grad():
+        fp8_ref = F.cross_entropy(op.linear(x, head.weight, "tensorwise", True), labels, reduction="sum").item()
+    step = 2.0 ** (math.floor(math.log2(abs(fp8_ref))) - 7)  # bf16's spacing at the loss
+    assert abs(loss.item() - fp8_ref) <= 2 * step, (loss.item(), fp8_ref, ref.item())
     for got, want in zip(torch.autograd.grad(loss, [x, head.weight]), torch.autograd.grad(ref, [x, head.weight])):
         assert sqnr(got, want) >= 20
 
