@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import EPS, MAX, amax_partials, cast, cast_args, scale_of, tensorwise_outputs
+from .fp8 import EPS, MAX, amax_partials, cast, cast_args, cast_tiles, scale_of, tensorwise_outputs
 from .launch import alloc, cdiv, interpreting, next_pow2
 
 
@@ -94,8 +94,8 @@ def stats_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: in
 @triton.jit
 def _grad_cast_kernel(X, LSE, TARGET, DY, PARTIAL, n_partial, DLOSS, COUNT, AMAX, Q, QT, INV, R, C, s_x, s_dy,
                       ignore_index, MEAN: tl.constexpr, HAS_DY: tl.constexpr, WRITE_Q: tl.constexpr,
-                      WRITE_QT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
-                      MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
+                      WRITE_QT: tl.constexpr, FP8_TYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr,
+                      MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """One BLOCK_R x BLOCK_C tile of d = g * (softmax(x) - onehot) + dy cast with the scale of
     |g| * AMAX + max(PARTIAL), stored at Q[r, c] and QT[c, r]; INV = the dequantization scale. HAS_DY:
@@ -146,7 +146,7 @@ def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, me
     has_dy = dy is not None
     partial = amax_partials(dy) if has_dy else torch.zeros(1, dtype=torch.float32, device=logits.device)
     dy = dy if has_dy else logits  # never read
-    tile_r, tile_c, warps = (32, 64, 4) if interpreting() else GRAD_CAST_TILES
+    tile_r, tile_c, warps = cast_tiles() if interpreting() else GRAD_CAST_TILES
     # with a dy, the kernel's own q^T came out unlike q's transpose on the H100 (a quarter of the elements
     # at every tile, stop 36; the interpreter agrees): there q^T is copied from q instead
     direct_qt = transposed and not has_dy
