@@ -104,7 +104,7 @@ def host_syncs(step) -> list:
     return sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
 
 
-def run_mode(mode, steps, batch=2, seq=2048, profile=False, sync_check=False):
+def run_mode(mode, steps, batch=2, seq=2048, profile=False, sync_check=False, top=25):
     import fusion_compiler as fc
     step, be, model, opt = make_step(mode, batch, seq)
     torch.cuda.synchronize()
@@ -133,7 +133,7 @@ def run_mode(mode, steps, batch=2, seq=2048, profile=False, sync_check=False):
         print(mode, "host syncs in one step:", row["host_syncs"], flush=True)
     if profile:  # and the step's GPU time: kernels alone, no launch gaps (wall time above that: the host)
         row["gpu_ms"] = round(bench_gpu_ms(step, iters=5), 2)
-        row["kernels"] = kernels_ms(step, top=25)
+        row["kernels"] = kernels_ms(step, top=top)
         print(table([dict(kernel=k, ms=t, calls=c) for k, t, c in row["kernels"]], ["kernel", "ms", "calls"]), flush=True)
     if mode.startswith("fusion"):
         rep = fc.last_report() if mode == "fusion" else fc.Report(be.log.decisions)
@@ -152,13 +152,14 @@ def main():
     ap.add_argument("--modes", nargs="+",
                     default=["eager", "inductor", "fusion", "fusion_drop_logits", "fusion_always", "liger"])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--profile", action="store_true", help="also list each mode's 25 most expensive kernels")
+    ap.add_argument("--profile", action="store_true", help="also list each mode's most expensive kernels")
+    ap.add_argument("--top", type=int, default=25, help="how many kernels --profile lists")
     ap.add_argument("--sync-check", action="store_true", help="also list the CUDA synchronizations of one step")
     a = ap.parse_args()
     rows = []
     for mode in a.modes:
         try:
-            rows.append(run_mode(mode, a.steps, profile=a.profile, sync_check=a.sync_check))
+            rows.append(run_mode(mode, a.steps, profile=a.profile, sync_check=a.sync_check, top=a.top))
         except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not the end of the run)
             rows.append(dict(mode=mode, step_ms=f"failed: {type(e).__name__}: {str(e)[:120]}"))
             torch.compiler.reset()
