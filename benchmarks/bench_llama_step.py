@@ -30,10 +30,10 @@ import torch
 from common import bench_gpu_ms, env, kernels_ms, save, table, torchao_float8
 
 
-def build(seed=0):
+def build(seed=0, layers=4):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                       attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)

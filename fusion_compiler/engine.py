@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from . import _compat, cost
+from . import _compat, constants, cost
 from .canonical import trace_function, val
 from .decisions import Decision, DecisionLog, describe, location
 from .matcher import Match, Matcher, candidates
@@ -212,15 +212,16 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
 
 def known_names() -> list:
     """Every pattern and every name of the families with their own passes (gemm, optimizer)."""
-    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, optimizer, topk
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, optimizer, sdpa_causal, topk
     return (registered_patterns() + list(optimizer.DESCRIPTORS) + list(gemm.DESCRIPTORS)
-            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS) + [topk.DESCRIPTOR, fp8.DESCRIPTOR])
+            + [gemm_horizontal.DESCRIPTOR] + list(moe.DESCRIPTORS)
+            + [topk.DESCRIPTOR, fp8.DESCRIPTOR, sdpa_causal.DESCRIPTOR])
 
 
 def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs: list[bool]) -> int:
     """Rewrite gm in place; returns how many regions were rewritten. grad_inputs: per placeholder,
     does that input require grad (decides whether the cost model counts the backward)."""
-    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, topk
+    from fusion_compiler.patterns import fp8, gemm, gemm_horizontal, moe, sdpa_causal, topk
     patterns = registered_patterns()
     config.check_names(known_names())
     needs_grad = _needs_grad(gm, grad_inputs)
@@ -235,6 +236,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
         log.add(Decision(graph_id, "-", "-", "fallback", f"data-dependent sizes in the graph ({dynamic.name}, "
                          f"{dynamic.target}): the families after MoE are skipped, the rest goes to {config.handoff}",
                          location(dynamic), ()))
+        constants.release(gm.graph)
         gm.recompile()
         return applied
     for pattern in patterns:
@@ -260,11 +262,14 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                     live = set(gm.graph.nodes)
                     applied += 1
             log.add(decision)
+    # SDPA calls the model made itself (or the patterns above emitted) with a constant causal mask
+    applied += sdpa_causal.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     # FP8 linears (opt-in), then a GEMM's chain is what the patterns above left of it; then products
     # sharing an input
     applied += fp8.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     applied += gemm.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
     applied += gemm_horizontal.rewrite(gm, config, log, graph_id, _needs_grad(gm, grad_inputs))
+    constants.release(gm.graph)
     gm.recompile()
     return applied
 

@@ -1,0 +1,220 @@
+"""Attention family, on SDPA calls already in the graph: a causal mask known at compile time becomes
+SDPA's is_causal, and keys/values repeated to every query head (repeat_kv) go in unrepeated
+(enable_gqa).
+
+HF transformers 5.x under torch.compile on torch < 2.14 builds the causal mask as a tensor (its is_causal
+shortcut is skipped while compiling), and with a mask it repeats k and v per query head. SDPA then reads
+a B x Lq x Lk mask and computes every score tile: in the reference Llama step on the H100 (stop 37)
+cuDNN's kernels took 0.94 ms a layer forward and backward there, against 0.43 ms with is_causal on the
+same inputs (benchmarks/bench_sdpa_backends.py), plus the mask and the copies of k and v.
+
+    before: sdpa(q, repeat_kv(k), repeat_kv(v), attn_mask=causal)  (a fused SDPA op of the device)
+    after:  sdpa(q, k, v, is_causal=True, enable_gqa=True)
+The mask must depend on no graph input (its value is computed at compile time) and keep exactly j <= i
+of square score matrices (bool, or additive: 0 kept, <= DROPPED dropped); only the op's output may be used (not its logsumexp). Where the mask stays,
+k and v stay repeated (a masked GQA call has no fused kernel on CUDA). On CUDA devices of compute
+capability >= 9.0 the call prefers cuDNN's kernels (measured faster than flash at head dims 64 and
+128, stop 37), with flash, memory-efficient and math after them. A pass of its own: SDPA's aten op
+differs by device (flash_for_cpu, efficient, cudnn), which a traced search function cannot span.
+"""
+import contextlib
+import operator
+import types
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fusion_compiler import cost
+from fusion_compiler.canonical import trace_function, val
+from fusion_compiler.constants import constant_value, is_causal_mask
+from fusion_compiler.decisions import Decision, describe, location
+
+DESCRIPTOR = types.SimpleNamespace(name="sdpa_causal_mask", family="attention")
+aten = torch.ops.aten
+# the fused SDPA ops and the name of their mask argument
+MASK_ARG = {aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+            aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+            aten._scaled_dot_product_cudnn_attention.default: "attn_bias"}
+CUDNN_FIRST = (9, 0)  # compute capability from which cuDNN's attention goes first
+# an additive mask entry at most this drops its score: torch converts a bool mask to -65504 instead of -inf
+# for cuDNN's kernels (torch 2.11, seen on the H100 at stop 37); exp(s - 65504 - max) is 0 in fp32 unless
+# a masked score exceeds the row's largest kept one by more than ~65400
+DROPPED = -65504.0
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _arguments(node: fx.Node) -> dict:
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def unrepeated(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(x, n) when node is repeat_kv(x, n): view(clone?(expand(unsqueeze(x, 2)))) with only the new
+    dim expanded, from x (B, KV, L, D) to (B, KV * n, L, D); else None."""
+    if node.op != "call_function" or node.target not in _VIEWS:
+        return None
+    src = node.args[0]
+    if src.op == "call_function" and src.target is aten.clone.default:
+        src = src.args[0]
+    if src.op != "call_function" or src.target is not aten.expand.default:
+        return None
+    unsq = src.args[0]
+    if unsq.op != "call_function" or unsq.target is not aten.unsqueeze.default:
+        return None
+    x, dim = unsq.args
+    xv, ev, out = val(x), val(src), val(node)
+    if xv is None or ev is None or out is None or xv.dim() != 4 or dim not in (2, -3):
+        return None
+    b, kv, length, d = xv.shape
+    if tuple(ev.shape) != (b, kv, ev.shape[2], length, d) or tuple(out.shape) != (b, kv * ev.shape[2], length, d):
+        return None
+    return x, ev.shape[2]
+
+
+def _keeps_causal(mask: torch.Tensor) -> bool:
+    """SDPA's mask semantics: bool True keeps; float is added to the scores, 0 on and below the diagonal
+    and at most DROPPED above it."""
+    if mask.dtype == torch.bool:
+        return is_causal_mask(~mask, additive=False)
+    if not mask.is_floating_point() or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    below = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril().expand_as(mask)
+    return bool((mask[below] == 0).all()) and bool((mask[~below] <= DROPPED).all())
+
+
+def _mask_rule(node: fx.Node, args: dict) -> str | None:
+    """None when the node's mask can become is_causal, else why not."""
+    mask = args.get(MASK_ARG[node.target])
+    q, k = val(args["query"]), val(args["key"])
+    if args.get("is_causal"):
+        return "is_causal already set, and a mask besides"
+    if q.shape[-2] != k.shape[-2]:
+        return f"query length {q.shape[-2]} != key length {k.shape[-2]}: is_causal aligns the diagonal at the top left"
+    value = constant_value(mask)
+    if value is None:
+        return "mask computed from graph inputs (padding, a buffer): not known at compile time"
+    if not _keeps_causal(value):
+        return f"constant mask {list(value.shape)} is not causal ({_describe_mask(value)})"
+    return None
+
+
+def _describe_mask(value: torch.Tensor) -> str:
+    """What a constant mask holds: its dtype, a few of its values, and how much of each triangle it keeps."""
+    keeps = value if value.dtype == torch.bool else value == 0
+    below = torch.ones(value.shape[-2:], dtype=torch.bool, device=value.device).tril().expand_as(value)
+    shown = ", ".join(f"{v:g}" for v in value.unique()[:4].float().tolist())
+    return (f"{str(value.dtype).replace('torch.', '')}, values {shown}; keeps "
+            f"{keeps[below].float().mean().item():.1%} of j <= i and {keeps[~below].float().mean().item():.1%} of j > i")
+
+
+def _uses_output_only(node: fx.Node) -> bool:
+    return all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in node.users)
+
+
+def _priority(device: torch.device):
+    """cuDNN's attention first where it was measured faster (Hopper); torch's own order elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability(device) >= CUDNN_FIRST:
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    return contextlib.nullcontext()
+
+
+def _causal_sdpa(dropout_p: float, scale, gqa: bool):
+    def attend(q, k, v):
+        with _priority(q.device):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+    return attend
+
+
+def _estimate(q, k, v, mask_bytes: int, repeat_bytes: int, ctx) -> cost.Estimate:
+    """Half the score tiles, no mask read, no k/v copies (forward and their reduction backward)."""
+    probe = types.SimpleNamespace(tensor_inputs=lambda: [q, k, v])
+    ours = cost.estimate_attention(probe, ctx, "flash_causal", 0.5)
+    base = cost.estimate_attention(probe, ctx, "sdpa_mask", 1.0)
+    extra = mask_bytes + repeat_bytes * (3 if ctx.training else 1)
+    return cost.Estimate(ours.ours_s, base.ours_s + extra / ctx.profile.bandwidth, ours.ours_bytes,
+                         base.ours_bytes + extra, "SDPA with the mask", f"{q.shape[-2]}x{k.shape[-2]} causal")
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, replacement: fx.GraphModule, inputs: list) -> fx.Node:
+    """Copy the replacement's nodes before `node`; returns its output."""
+    env = dict(zip((n for n in replacement.graph.nodes if n.op == "placeholder"), inputs))
+    out = None
+    with gm.graph.inserting_before(node):
+        for n in replacement.graph.nodes:
+            if n.op == "output":
+                out = env[n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]]
+            elif n.op != "placeholder":
+                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+                if "stack_trace" in node.meta:
+                    env[n].meta["stack_trace"] = node.meta["stack_trace"]
+    return out
+
+
+def _sdpa_op(replacement: fx.GraphModule) -> str:
+    return next((str(n.target) for n in replacement.graph.nodes if "scaled_dot_product" in str(n.target)), "?")
+
+
+def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
+    """Every fused SDPA call with a mask or repeated k/v: one decision row each."""
+    if not config.enables(DESCRIPTOR):
+        return 0
+    applied = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in MASK_ARG:
+            continue
+        args = _arguments(node)
+        q_node, k_node, v_node = args["query"], args["key"], args["value"]
+        mask = args.get(MASK_ARG[node.target])
+        rep_k, rep_v = unrepeated(k_node), unrepeated(v_node)
+        repeated = rep_k is not None and rep_v is not None and rep_k[1] == rep_v[1]
+        if mask is None and not (args.get("is_causal") and repeated):
+            continue
+        q, k, v = val(q_node), val(k_node), val(v_node)
+        why = _mask_rule(node, args) if mask is not None else None
+        if why is None and not _uses_output_only(node):
+            why = "the op's logsumexp is used besides its output"
+        gqa = why is None and repeated
+        inputs = [q_node, rep_k[0], rep_v[0]] if gqa else [q_node, k_node, v_node]
+        ctx = cost.CostContext.of(q.device, config, node in needs_grad)
+        estimate = _estimate(q, k, v, val(mask).numel() * val(mask).element_size() if mask is not None else 0,
+                             2 * k.numel() * k.element_size() if gqa else 0, ctx)
+        replacement = None
+        if why is None:
+            try:
+                replacement = trace_function(_causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), gqa),
+                                             [val(n) for n in inputs])
+            except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
+                why = f"replacement failed to trace: {type(e).__name__}: {e}"
+        if replacement is not None:
+            out = next(n for n in replacement.graph.nodes if n.op == "output").args[0]
+            new, old = val(out[0] if isinstance(out, (list, tuple)) else out), val(next(iter(node.users)))
+            if tuple(new.shape) != tuple(old.shape) or tuple(new.stride()) != tuple(old.stride()):
+                why = f"the output's layout would change ({tuple(old.stride())} -> {tuple(new.stride())})"
+        change = ("mask -> is_causal" if mask is not None else "is_causal kept") + \
+            (f"; k/v unrepeated (enable_gqa, {rep_k[1]} query heads a kv head)" if gqa else "")
+        reason = why or (f"{change}; became {_sdpa_op(replacement)}; est. {estimate.ours_s * 1e6:.1f} us vs "
+                         f"{estimate.baseline_s * 1e6:.1f} us with the mask ({estimate.ours_bytes / 2**20:.1f} vs "
+                         f"{estimate.baseline_bytes / 2**20:.1f} MiB); {estimate.note}")
+        log.add(Decision(gid, DESCRIPTOR.name, DESCRIPTOR.family, "rejected" if why else "applied", reason,
+                         location(node), tuple(describe(t) for t in (q, k, v)),
+                         bytes_saved=None if why else estimate.bytes_saved,
+                         time_saved_us=None if why else round(estimate.time_saved_s * 1e6, 2),
+                         kernel="sdpa is_causal"))
+        if why:
+            continue
+        new_out = _inline(gm, node, replacement, inputs)
+        for user in list(node.users):
+            user.replace_all_uses_with(new_out)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        applied += 1
+    if applied:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return applied
