@@ -60,6 +60,8 @@ def test_one_training_step_matches_eager(name, attn):
         applied[d.pattern] = applied.get(d.pattern, 0) + 1
     # HF's LM head + causal-LM loss (Gemma's head is tied), the token embedding
     expect = dict(expect, linear_cross_entropy_mean=1, embedding=1)
-    if attn == "eager":
-        expect = dict(expect, attention_causal_mask=2)  # HF's in-graph mask, recognized as causal
+    if attn == "eager":  # HF's in-graph mask, recognized as causal; repeat_kv'd k/v (GQA models) unrepeated
+        expect = dict(expect, attention_causal_mask=2)
+        if kwargs.get("num_key_value_heads", kwargs["num_attention_heads"]) < kwargs["num_attention_heads"]:
+            expect["sdpa_causal_mask"] = 2
     assert applied == expect
