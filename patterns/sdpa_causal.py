@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fusion_compiler import cost
+from fusion_compiler import _compat, cost
 from fusion_compiler.canonical import trace_function, val
 from fusion_compiler.constants import constant_value, is_causal_mask
 from fusion_compiler.decisions import Decision, describe, location
+from fusion_compiler.engine import random_like
 
 DESCRIPTOR = types.SimpleNamespace(name="sdpa_causal_mask", family="attention")
 aten = torch.ops.aten
@@ -131,6 +132,41 @@ def _causal_sdpa(dropout_p: float, scale, gqa: bool):
     return attend
 
 
+_CHECKED: dict = {}  # signature -> None or why the new call failed its check
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # two fused kernels' roundings
+
+
+def _checked(attend, q, k, v, mask, n_rep: int, scale, dropout_p: float, training: bool) -> str | None:
+    """Run the new call once on random data of this signature (its backward too when training) and,
+    without dropout, compare its output with the call it replaces (the mask read, k/v repeated n_rep
+    times; is_causal where there was no mask): a kernel that fails or differs keeps the call as it was."""
+    key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v)) + (
+        None if mask is None else (tuple(mask.shape), mask.dtype), n_rep, scale, dropout_p, training)
+    if key not in _CHECKED:
+        _CHECKED[key] = _check(attend, q, k, v, mask, n_rep, scale, dropout_p, training)
+    return _CHECKED[key]
+
+
+def _check(attend, q, k, v, mask, n_rep, scale, dropout_p, training) -> str | None:
+    try:
+        with torch.enable_grad(), _compat.tracing(None):
+            qr, kr, vr = (random_like(t).requires_grad_(training) for t in (q, k, v))
+            out = attend(qr, kr, vr)
+            if training:
+                torch.autograd.grad(out, (qr, kr, vr), torch.randn_like(out))
+            if dropout_p:
+                return None
+            with torch.no_grad():
+                kk, vv = (t.repeat_interleave(n_rep, dim=1) for t in (kr, vr))
+                ref = F.scaled_dot_product_attention(qr, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale)
+    except Exception as e:  # noqa: BLE001  (any failure keeps the call as it was)
+        return f"the new call failed on this signature: {type(e).__name__}: {str(e)[:200]}"
+    err = ((out.detach().float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err <= TOLERANCE[q.dtype]:
+        return f"the new call differs from the masked one on random data: relative error {err:.1e}"
+    return None
+
+
 def _estimate(q, k, v, mask_bytes: int, repeat_bytes: int, ctx) -> cost.Estimate:
     """Half the score tiles, no mask read, no k/v copies (forward and their reduction backward)."""
     probe = types.SimpleNamespace(tensor_inputs=lambda: [q, k, v])
@@ -186,9 +222,9 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
                              2 * k.numel() * k.element_size() if gqa else 0, ctx)
         replacement = None
         if why is None:
+            attend = _causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), gqa)
             try:
-                replacement = trace_function(_causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), gqa),
-                                             [val(n) for n in inputs])
+                replacement = trace_function(attend, [val(n) for n in inputs])
             except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
                 why = f"replacement failed to trace: {type(e).__name__}: {e}"
         if replacement is not None:
@@ -196,6 +232,10 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
             new, old = val(out[0] if isinstance(out, (list, tuple)) else out), val(next(iter(node.users)))
             if tuple(new.shape) != tuple(old.shape) or tuple(new.stride()) != tuple(old.stride()):
                 why = f"the output's layout would change ({tuple(old.stride())} -> {tuple(new.stride())})"
+            elif config.verify_kernels:
+                why = _checked(attend, *(val(n) for n in inputs), constant_value(mask) if mask is not None else None,
+                               rep_k[1] if gqa else 1, args.get("scale"), args.get("dropout_p", 0.0),
+                               node in needs_grad)
         change = ("mask -> is_causal" if mask is not None else "is_causal kept") + \
             (f"; k/v unrepeated (enable_gqa, {rep_k[1]} query heads a kv head)" if gqa else "")
         reason = why or (f"{change}; became {_sdpa_op(replacement)}; est. {estimate.ours_s * 1e6:.1f} us vs "

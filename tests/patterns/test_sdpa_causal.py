@@ -117,3 +117,24 @@ def test_cudnn_style_large_negative_mask(dropped, taken):
         check_rewrite(fn, qkv(kv=4), {"sdpa_causal_mask": 1})
     else:
         _rejected(fn, qkv(kv=4), "is not causal (float32, values -10000, 0")
+
+
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_new_call_that_fails_its_check_keeps_the_mask(monkeypatch, fault):
+    """verify_kernels (on by default) runs the new call once on random data of the signature and
+    compares it with the masked call: a kernel that raises or gives another answer is not used."""
+    from fusion_compiler.patterns import sdpa_causal
+
+    calls = []
+
+    def broken(dropout_p, scale, gqa):
+        def attend(q, k, v):
+            calls.append(q)
+            if fault == "raises" and len(calls) > 1:  # traced first, then run on random data
+                raise RuntimeError("no kernel for these inputs")
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)  # not causal
+        return attend
+    monkeypatch.setattr(sdpa_causal, "_causal_sdpa", broken)
+    monkeypatch.setattr(sdpa_causal, "_CHECKED", {})
+    why = "differs from the masked one on random data" if fault == "wrong" else "failed on this signature"
+    _rejected(bool_causal, qkv(), why)
