@@ -168,13 +168,14 @@ def _check(attend, q, k, v, mask, n_rep, scale, dropout_p, training) -> str | No
 
 
 def _estimate(q, k, v, mask_bytes: int, repeat_bytes: int, ctx) -> cost.Estimate:
-    """Half the score tiles, no mask read, no k/v copies (forward and their reduction backward)."""
+    """Half the score tiles, no mask read (where there was a mask: every tile computed), no k/v copies
+    (forward, and their reduction backward)."""
     probe = types.SimpleNamespace(tensor_inputs=lambda: [q, k, v])
     ours = cost.estimate_attention(probe, ctx, "flash_causal", 0.5)
-    base = cost.estimate_attention(probe, ctx, "sdpa_mask", 1.0)
+    base = cost.estimate_attention(probe, ctx, "sdpa_mask", 1.0) if mask_bytes else ours
     extra = mask_bytes + repeat_bytes * (3 if ctx.training else 1)
     return cost.Estimate(ours.ours_s, base.ours_s + extra / ctx.profile.bandwidth, ours.ours_bytes,
-                         base.ours_bytes + extra, "SDPA with the mask", f"{q.shape[-2]}x{k.shape[-2]} causal")
+                         base.ours_bytes + extra, "the call as written", f"{q.shape[-2]}x{k.shape[-2]} causal")
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, replacement: fx.GraphModule, inputs: list) -> fx.Node:
@@ -202,7 +203,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         return 0
     applied = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in MASK_ARG:
+        if node.op != "call_function" or node.target not in MASK_ARG or not node.users:
             continue
         args = _arguments(node)
         q_node, k_node, v_node = args["query"], args["key"], args["value"]
@@ -239,7 +240,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         change = ("mask -> is_causal" if mask is not None else "is_causal kept") + \
             (f"; k/v unrepeated (enable_gqa, {rep_k[1]} query heads a kv head)" if gqa else "")
         reason = why or (f"{change}; became {_sdpa_op(replacement)}; est. {estimate.ours_s * 1e6:.1f} us vs "
-                         f"{estimate.baseline_s * 1e6:.1f} us with the mask ({estimate.ours_bytes / 2**20:.1f} vs "
+                         f"{estimate.baseline_s * 1e6:.1f} us as written ({estimate.ours_bytes / 2**20:.1f} vs "
                          f"{estimate.baseline_bytes / 2**20:.1f} MiB); {estimate.note}")
         log.add(Decision(gid, DESCRIPTOR.name, DESCRIPTOR.family, "rejected" if why else "applied", reason,
                          location(node), tuple(describe(t) for t in (q, k, v)),
