@@ -149,8 +149,8 @@ def grad_cast(logits, lse, target, dy, dloss, count, amax, ignore_index: int, me
     dy = dy if has_dy else logits  # never read
     tile_r, tile_c, warps = cast_tiles() if interpreting() else GRAD_CAST_TILES
     # with a dy, the kernel's own q^T came out unlike q's transpose on the H100 (a quarter of the elements
-    # at every tile, stop 36; the interpreter agrees): there q^T is a transposed copy of q (torch's copy_
-    # took 3.3 ms at 4096 x 128256, stop 37)
+    # at every tile, stop 36; not so in the interpreter): there q^T is a transposed copy of q (torch's copy_
+    # took 3.6 ms at 4096 x 128256, stop 37)
     direct_qt = transposed and not has_dy
     out = q if q is not None else (qt if direct_qt else alloc((n, v), dtype, logits.device))
     _grad_cast_kernel[(cdiv(n, tile_r), cdiv(v, tile_c))](
