@@ -66,10 +66,10 @@ def _evaluate(node: fx.Node, inputs_ok: bool) -> Optional[torch.Tensor]:
         return fx.GraphModule(torch.nn.Module(), graph)(*args)
 
 
-def is_causal_mask(mask: torch.Tensor, additive: bool) -> bool:
+def is_causal_mask(mask: torch.Tensor, additive: bool, dropped: Optional[float] = None) -> bool:
     """Does the mask keep exactly the positions j <= i of every (Lq = Lk) score matrix? Additive: 0
-    where kept and at most half the dtype's lowest value (or -inf) where masked; bool (masked_fill's
-    'masked'): True exactly above the diagonal."""
+    where kept and at most `dropped` (default: half the dtype's lowest value, or -inf) where masked;
+    bool (masked_fill's 'masked'): True exactly above the diagonal."""
     if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
         return False
     keep = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
@@ -77,6 +77,6 @@ def is_causal_mask(mask: torch.Tensor, additive: bool) -> bool:
         return mask.dtype == torch.bool and bool((mask == ~keep).all())
     if not mask.is_floating_point():
         return False
-    low = torch.finfo(mask.dtype).min / 2
+    low = torch.finfo(mask.dtype).min / 2 if dropped is None else dropped
     return bool((mask.masked_select(keep.expand_as(mask)) == 0).all()) and \
         bool((mask.masked_select(~keep.expand_as(mask)) <= low).all())

@@ -74,7 +74,7 @@ def verify_replacement(pattern, values: list, training: bool) -> str | None:
     return _VERIFIED[key]
 
 
-def _layout_change(match, replacement: fx.GraphModule) -> str | None:
+def layout_change(match, replacement: fx.GraphModule) -> str | None:
     """The graph downstream was traced against the region's output layouts (a later view may rely
     on them): a replacement must produce the same shapes and strides."""
     out = next(n for n in replacement.graph.nodes if n.op == "output").args[0]
@@ -166,7 +166,7 @@ def drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
         output.replace_input_with(end, empty)
 
 
-def _rewrite(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node,
+def rewrite_region(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node,
              dropped: list[fx.Node] = ()) -> None:
     graph = gm.graph
     placeholders = [n for n in replacement.graph.nodes if n.op == "placeholder"]
@@ -257,7 +257,7 @@ def run(gm: fx.GraphModule, config, log: DecisionLog, graph_id: int, grad_inputs
                 if after is None:
                     decision = _row(graph_id, pattern, match, "near-miss", why)
                 else:
-                    _rewrite(gm, match, replacement, after, dropped)
+                    rewrite_region(gm, match, replacement, after, dropped)
                     needs_grad = _needs_grad(gm, grad_inputs)
                     live = set(gm.graph.nodes)
                     applied += 1
@@ -357,7 +357,7 @@ def _decide_region(pattern, match, config, needs_grad, gid) -> tuple[Decision, f
            for n in replacement.graph.nodes):
         return _row(gid, pattern, match, "rejected",
                     "replacement creates tensor constants; compute them inside an op instead"), None, []
-    layout = _layout_change(match, replacement)
+    layout = layout_change(match, replacement)
     if layout:
         return _row(gid, pattern, match, "rejected", layout), None, []
     estimate = cost.with_host_time(estimate, _op_calls(replacement, training), ctx)

@@ -31,7 +31,9 @@ from fusion_compiler import _compat, cost
 from fusion_compiler.canonical import trace_function, val
 from fusion_compiler.constants import constant_value, is_causal_mask
 from fusion_compiler.decisions import Decision, describe, location
+from fusion_compiler import engine
 from fusion_compiler.engine import random_like
+from fusion_compiler.matcher import Match
 
 DESCRIPTOR = types.SimpleNamespace(name="sdpa_causal_mask", family="attention")
 aten = torch.ops.aten
@@ -79,10 +81,7 @@ def _keeps_causal(mask: torch.Tensor) -> bool:
     and at most DROPPED above it."""
     if mask.dtype == torch.bool:
         return is_causal_mask(~mask, additive=False)
-    if not mask.is_floating_point() or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
-        return False
-    below = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril().expand_as(mask)
-    return bool((mask[below] == 0).all()) and bool((mask[~below] <= DROPPED).all())
+    return is_causal_mask(mask, additive=True, dropped=DROPPED)
 
 
 def _mask_rule(node: fx.Node, args: dict) -> str | None:
@@ -178,21 +177,6 @@ def _estimate(q, k, v, mask_bytes: int, repeat_bytes: int, ctx) -> cost.Estimate
                          base.ours_bytes + extra, "the call as written", f"{q.shape[-2]}x{k.shape[-2]} causal")
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node, replacement: fx.GraphModule, inputs: list) -> fx.Node:
-    """Copy the replacement's nodes before `node`; returns its output."""
-    env = dict(zip((n for n in replacement.graph.nodes if n.op == "placeholder"), inputs))
-    out = None
-    with gm.graph.inserting_before(node):
-        for n in replacement.graph.nodes:
-            if n.op == "output":
-                out = env[n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]]
-            elif n.op != "placeholder":
-                env[n] = gm.graph.node_copy(n, lambda a: env[a])
-                if "stack_trace" in node.meta:
-                    env[n].meta["stack_trace"] = node.meta["stack_trace"]
-    return out
-
-
 def _sdpa_op(replacement: fx.GraphModule) -> str:
     return next((str(n.target) for n in replacement.graph.nodes if "scaled_dot_product" in str(n.target)), "?")
 
@@ -228,12 +212,11 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
                 replacement = trace_function(attend, [val(n) for n in inputs])
             except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
                 why = f"replacement failed to trace: {type(e).__name__}: {e}"
+        users = list(node.users)  # getitem(node, 0) each
+        match = Match(DESCRIPTOR, node, inputs, users[:1], [node, *users])
         if replacement is not None:
-            out = next(n for n in replacement.graph.nodes if n.op == "output").args[0]
-            new, old = val(out[0] if isinstance(out, (list, tuple)) else out), val(next(iter(node.users)))
-            if tuple(new.shape) != tuple(old.shape) or tuple(new.stride()) != tuple(old.stride()):
-                why = f"the output's layout would change ({tuple(old.stride())} -> {tuple(new.stride())})"
-            elif config.verify_kernels:
+            why = engine.layout_change(match, replacement)
+            if why is None and config.verify_kernels:
                 why = _checked(attend, *(val(n) for n in inputs), constant_value(mask) if mask is not None else None,
                                rep_k[1] if gqa else 1, args.get("scale"), args.get("dropout_p", 0.0),
                                node in needs_grad)
@@ -249,13 +232,10 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
                          kernel="sdpa is_causal"))
         if why:
             continue
-        new_out = _inline(gm, node, replacement, inputs)
-        for user in list(node.users):
-            user.replace_all_uses_with(new_out)
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
+        for user in users[1:]:
+            user.replace_all_uses_with(users[0])
+        engine.rewrite_region(gm, match, replacement, node.prev)
         applied += 1
     if applied:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
     return applied
