@@ -11,7 +11,8 @@ every RMSNorm fused (its kernel casts the next linears' input to FP8); fusion_fp
 with FusionConfig(fp8_fuse_cast=False) (each linear casts its input); fusion_fp8_tensorwise_mem: with
 prefer_memory=True (the backward casts each weight again, and recomputes cheap linear inputs);
 fusion_fp8_tensorwise_drop: with drop_logits=True (HF's returned logits come back empty, so autograd fills
-no zero gradient for them and the fused loss reads none); fusion_fp8_tensorwise_mem_drop_cg: both, with CUDA graphs. MODE_cg: with CUDA graphs
+no zero gradient for them and the fused loss reads none); fusion_fp8_tensorwise_mem_drop_cg: both, with CUDA
+graphs. MODE_cg: with CUDA graphs
 (inductor_cg: torch.compile(mode="reduce-overhead"); fusion modes: FusionConfig(cudagraphs=True)).
 fusion_drop_logits: FusionConfig(drop_logits=True, prefer_memory=True), the documented recipe that
 lets the LM head and the loss fuse although HF returns the logits, and takes the chunked op for its

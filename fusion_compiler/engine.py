@@ -167,7 +167,7 @@ def drop_returns(graph: fx.Graph, ends: list[fx.Node]) -> None:
 
 
 def rewrite_region(gm: fx.GraphModule, match, replacement: fx.GraphModule, after: fx.Node,
-             dropped: list[fx.Node] = ()) -> None:
+                   dropped: list[fx.Node] = ()) -> None:
     graph = gm.graph
     placeholders = [n for n in replacement.graph.nodes if n.op == "placeholder"]
     env = {ph: a for ph, a in zip(placeholders, match.inputs) if isinstance(a, fx.Node)}

@@ -11,10 +11,11 @@ same inputs (benchmarks/bench_sdpa_backends.py), plus the mask and the copies of
     before: sdpa(q, repeat_kv(k), repeat_kv(v), attn_mask=causal)  (a fused SDPA op of the device)
     after:  sdpa(q, k, v, is_causal=True, enable_gqa=True)
 The mask must depend on no graph input (its value is computed at compile time) and keep exactly j <= i
-of square score matrices (bool, or additive: 0 kept, <= DROPPED dropped); only the op's output may be used (not its logsumexp). Where the mask stays,
-k and v stay repeated (a masked GQA call has no fused kernel on CUDA). On CUDA devices of compute
-capability >= 9.0 the call prefers cuDNN's kernels (measured faster than flash at head dims 64 and
-128, stop 37), with flash, memory-efficient and math after them. A pass of its own: SDPA's aten op
+of square score matrices (bool, or additive: 0 kept, <= DROPPED dropped); only the op's output may be
+used (not its logsumexp). Where the mask stays, k and v stay repeated (a masked GQA call has no fused
+kernel on CUDA). On CUDA devices of compute capability >= 9.0 the call prefers cuDNN's kernels
+(measured faster than flash at head dims 64 and 128, stop 37), with flash, memory-efficient and math
+after them. A pass of its own: SDPA's aten op
 differs by device (flash_for_cpu, efficient, cudnn), which a traced search function cannot span.
 """
 import contextlib
@@ -106,7 +107,8 @@ def _describe_mask(value: torch.Tensor) -> str:
     below = torch.ones(value.shape[-2:], dtype=torch.bool, device=value.device).tril().expand_as(value)
     shown = ", ".join(f"{v:g}" for v in value.unique()[:4].float().tolist())
     return (f"{str(value.dtype).replace('torch.', '')}, values {shown}; keeps "
-            f"{keeps[below].float().mean().item():.1%} of j <= i and {keeps[~below].float().mean().item():.1%} of j > i")
+            f"{keeps[below].float().mean().item():.1%} of j <= i and "
+            f"{keeps[~below].float().mean().item():.1%} of j > i")
 
 
 def _uses_output_only(node: fx.Node) -> bool:
