@@ -48,6 +48,8 @@ CUDNN_FIRST = (9, 0)  # compute capability from which cuDNN's attention goes fir
 # a masked score exceeds the row's largest kept one by more than ~65400
 DROPPED = -65504.0
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# the fused ops told by an argument whether to compute the logsumexp their backward reads
+LSE_FLAG = (aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
 
 
 def _arguments(node: fx.Node) -> dict:
@@ -133,12 +135,22 @@ def _causal_sdpa(dropout_p: float, scale, gqa: bool):
     return attend
 
 
+def keep_logsumexp(replacement: fx.GraphModule, training: bool) -> None:
+    """make_fx traces the new call on inputs that need no grad, so a fused op that computes its
+    logsumexp only when asked is told not to; in training its backward reads it (cuDNN's op then
+    returns none, which Inductor's output checks reject: the H100, stop 38)."""
+    for n in replacement.graph.nodes:
+        if n.op == "call_function" and n.target in LSE_FLAG:
+            n.args = (*n.args[:4], training or n.args[4], *n.args[5:])  # compute_log_sumexp, positional
+    replacement.recompile()
+
+
 _CHECKED: dict = {}  # signature -> None or why the new call failed its check
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # two fused kernels' roundings
 
 
 def _checked(attend, q, k, v, mask, n_rep: int, scale, dropout_p: float, training: bool) -> str | None:
-    """Run the new call once on random data of this signature (its backward too when training) and,
+    """Run the new call (attend: the traced graph that goes in) once on random data of this signature (its backward too when training) and,
     without dropout, compare its output with the call it replaces (the mask read, k/v repeated n_rep
     times; is_causal where there was no mask): a kernel that fails or differs keeps the call as it was."""
     key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v)) + (
@@ -212,6 +224,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
             attend = _causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), gqa)
             try:
                 replacement = trace_function(attend, [val(n) for n in inputs])
+                keep_logsumexp(replacement, node in needs_grad)
             except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
                 why = f"replacement failed to trace: {type(e).__name__}: {e}"
         users = list(node.users)  # getitem(node, 0) each
@@ -219,7 +232,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         if replacement is not None:
             why = engine.layout_change(match, replacement)
             if why is None and config.verify_kernels:
-                why = _checked(attend, *(val(n) for n in inputs), constant_value(mask) if mask is not None else None,
+                why = _checked(replacement, *(val(n) for n in inputs), constant_value(mask) if mask is not None else None,
                                rep_k[1] if gqa else 1, args.get("scale"), args.get("dropout_p", 0.0),
                                node in needs_grad)
         change = ("mask -> is_causal" if mask is not None else "is_causal kept") + \

@@ -121,20 +121,37 @@ def test_cudnn_style_large_negative_mask(dropped, taken):
 
 @pytest.mark.parametrize("fault", ["wrong", "raises"])
 def test_a_new_call_that_fails_its_check_keeps_the_mask(monkeypatch, fault):
-    """verify_kernels (on by default) runs the new call once on random data of the signature and
+    """verify_kernels (on by default) runs the traced new call once on random data of the signature and
     compares it with the masked call: a kernel that raises or gives another answer is not used."""
     from fusion_compiler.patterns import sdpa_causal
 
-    calls = []
-
     def broken(dropout_p, scale, gqa):
         def attend(q, k, v):
-            calls.append(q)
-            if fault == "raises" and len(calls) > 1:  # traced first, then run on random data
-                raise RuntimeError("no kernel for these inputs")
+            if fault == "raises":  # traces (its meta kernel), has no CPU kernel to run
+                k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+                return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False,
+                                                                           is_causal=True)[0].contiguous()
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)  # not causal
         return attend
     monkeypatch.setattr(sdpa_causal, "_causal_sdpa", broken)
     monkeypatch.setattr(sdpa_causal, "_CHECKED", {})
     why = "differs from the masked one on random data" if fault == "wrong" else "failed on this signature"
     _rejected(bool_causal, qkv(), why)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_fused_op_computes_its_logsumexp_in_training(training):
+    """make_fx traces the new call on inputs that need no grad: a fused op told not to compute its
+    logsumexp returns none at run time, which the backward reads (cuDNN's op on the H100, stop 38)."""
+    from fusion_compiler.canonical import trace_function
+    from fusion_compiler.patterns.sdpa_causal import LSE_FLAG, keep_logsumexp
+
+    def attend(q, k, v):
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False,
+                                                                           is_causal=True)[0].contiguous()
+    q, k, v = qkv(kv=4)
+    replacement = trace_function(attend, [q, k, v])
+    keep_logsumexp(replacement, training)
+    ops = [n for n in replacement.graph.nodes if n.target in LSE_FLAG]
+    assert len(ops) == 1 and ops[0].args[4] is training
+    assert f"None, {training}, 0.0, True" in replacement.code
