@@ -117,19 +117,22 @@ def _uses_output_only(node: fx.Node) -> bool:
     return all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in node.users)
 
 
-def _priority(device: torch.device):
-    """cuDNN's attention first where it was measured faster (Hopper); torch's own order elsewhere."""
+CUDNN_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH]
+
+
+def _orders(device: torch.device) -> list:
+    """The backend orders to try, best first: cuDNN's attention first where it was measured faster
+    (Hopper), then torch's own order (None)."""
     if device.type == "cuda" and torch.cuda.is_available() and \
             torch.cuda.get_device_capability(device) >= CUDNN_FIRST:
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-        return sdpa_kernel(order, set_priority=True)
-    return contextlib.nullcontext()
+        return [CUDNN_ORDER, None]
+    return [None]
 
 
-def _causal_sdpa(dropout_p: float, scale, gqa: bool):
+def _causal_sdpa(dropout_p: float, scale, gqa: bool, order):
     def attend(q, k, v):
-        with _priority(q.device):
+        with sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                                   enable_gqa=gqa)
     return attend
@@ -145,16 +148,18 @@ def keep_logsumexp(replacement: fx.GraphModule, training: bool) -> None:
     replacement.recompile()
 
 
-_CHECKED: dict = {}  # signature -> None or why the new call failed its check
+_CHECKED: dict = {}  # (traced call, signature) -> None or why the new call failed its check
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # two fused kernels' roundings
 
 
-def _checked(attend, q, k, v, mask, n_rep: int, scale, dropout_p: float, training: bool) -> str | None:
-    """Run the new call (attend: the traced graph that goes in) once on random data of this signature (its backward too when training) and,
-    without dropout, compare its output with the call it replaces (the mask read, k/v repeated n_rep
-    times; is_causal where there was no mask): a kernel that fails or differs keeps the call as it was."""
-    key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v)) + (
-        None if mask is None else (tuple(mask.shape), mask.dtype), n_rep, scale, dropout_p, training)
+def _checked(attend: fx.GraphModule, q, k, v, mask, n_rep: int, scale, dropout_p: float,
+             training: bool) -> str | None:
+    """Run the new call (attend: the traced graph that goes in) once on random data of this signature
+    (its backward too when training) and, without dropout, compare its output with the call it replaces
+    (the mask read, k/v repeated n_rep times; is_causal where there was no mask): a kernel that fails
+    or differs keeps the call as it was."""
+    key = (attend.code, *((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v)),
+           None if mask is None else (tuple(mask.shape), mask.dtype), n_rep, scale, dropout_p, training)
     if key not in _CHECKED:
         _CHECKED[key] = _check(attend, q, k, v, mask, n_rep, scale, dropout_p, training)
     return _CHECKED[key]
@@ -195,6 +200,29 @@ def _sdpa_op(replacement: fx.GraphModule) -> str:
     return next((str(n.target) for n in replacement.graph.nodes if "scaled_dot_product" in str(n.target)), "?")
 
 
+def _new_call(match: Match, args: dict, mask, n_rep: int, training: bool, config) -> tuple:
+    """(replacement, what failed before it, None) for the first backend order whose traced call keeps
+    the region's layout and passes its check; (None, "", why each failed) when none does."""
+    failures = []
+    for order in _orders(val(match.inputs[0]).device):
+        attend = _causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), n_rep > 1, order)
+        try:
+            replacement = trace_function(attend, [val(n) for n in match.inputs])
+            keep_logsumexp(replacement, training)
+        except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
+            why = f"replacement failed to trace: {type(e).__name__}: {e}"
+        else:
+            why = engine.layout_change(match, replacement)
+            if why is None and config.verify_kernels:
+                why = _checked(replacement, *(val(n) for n in match.inputs),
+                               constant_value(mask) if mask is not None else None, n_rep, args.get("scale"),
+                               args.get("dropout_p", 0.0), training)
+        if why is None:
+            return replacement, "".join(f" ({f})" for f in failures), None
+        failures.append(f"{'cuDNN first' if order else 'torch order'}: {why}")
+    return None, "", "; ".join(failures)
+
+
 def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
     """Every fused SDPA call with a mask or repeated k/v: one decision row each."""
     if not config.enables(DESCRIPTOR):
@@ -219,26 +247,16 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         ctx = cost.CostContext.of(q.device, config, node in needs_grad)
         estimate = _estimate(q, k, v, val(mask).numel() * val(mask).element_size() if mask is not None else 0,
                              2 * k.numel() * k.element_size() if gqa else 0, ctx)
-        replacement = None
-        if why is None:
-            attend = _causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), gqa)
-            try:
-                replacement = trace_function(attend, [val(n) for n in inputs])
-                keep_logsumexp(replacement, node in needs_grad)
-            except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
-                why = f"replacement failed to trace: {type(e).__name__}: {e}"
         users = list(node.users)  # getitem(node, 0) each
         match = Match(DESCRIPTOR, node, inputs, users[:1], [node, *users])
-        if replacement is not None:
-            why = engine.layout_change(match, replacement)
-            if why is None and config.verify_kernels:
-                why = _checked(replacement, *(val(n) for n in inputs), constant_value(mask) if mask is not None else None,
-                               rep_k[1] if gqa else 1, args.get("scale"), args.get("dropout_p", 0.0),
-                               node in needs_grad)
+        replacement, failed = None, ""
+        if why is None:
+            replacement, failed, why = _new_call(match, args, mask, rep_k[1] if gqa else 1, node in needs_grad,
+                                                 config)
         change = ("mask -> is_causal" if mask is not None else "is_causal kept") + \
             (f"; k/v unrepeated (enable_gqa, {rep_k[1]} query heads a kv head)" if gqa else "")
-        reason = why or (f"{change}; became {_sdpa_op(replacement)}; est. {estimate.ours_s * 1e6:.1f} us vs "
-                         f"{estimate.baseline_s * 1e6:.1f} us as written ({estimate.ours_bytes / 2**20:.1f} vs "
+        reason = why or (f"{change}; became {_sdpa_op(replacement)}{failed}; est. {estimate.ours_s * 1e6:.1f} us "
+                         f"vs {estimate.baseline_s * 1e6:.1f} us as written ({estimate.ours_bytes / 2**20:.1f} vs "
                          f"{estimate.baseline_bytes / 2**20:.1f} MiB); {estimate.note}")
         log.add(Decision(gid, DESCRIPTOR.name, DESCRIPTOR.family, "rejected" if why else "applied", reason,
                          location(node), tuple(describe(t) for t in (q, k, v)),

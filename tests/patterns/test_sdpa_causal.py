@@ -125,18 +125,37 @@ def test_a_new_call_that_fails_its_check_keeps_the_mask(monkeypatch, fault):
     compares it with the masked call: a kernel that raises or gives another answer is not used."""
     from fusion_compiler.patterns import sdpa_causal
 
-    def broken(dropout_p, scale, gqa):
-        def attend(q, k, v):
-            if fault == "raises":  # traces (its meta kernel), has no CPU kernel to run
-                k, v = repeat_kv(k, 2), repeat_kv(v, 2)
-                return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False,
-                                                                           is_causal=True)[0].contiguous()
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)  # not causal
-        return attend
-    monkeypatch.setattr(sdpa_causal, "_causal_sdpa", broken)
+    monkeypatch.setattr(sdpa_causal, "_causal_sdpa", lambda dropout_p, scale, gqa, order: _broken(fault, scale, gqa))
     monkeypatch.setattr(sdpa_causal, "_CHECKED", {})
     why = "differs from the masked one on random data" if fault == "wrong" else "failed on this signature"
-    _rejected(bool_causal, qkv(), why)
+    _rejected(bool_causal, qkv(), "torch order: the new call " + why)
+
+
+def _broken(fault, scale, gqa):
+    def attend(q, k, v):
+        if fault == "raises":  # traces (its meta kernel), has no CPU kernel to run
+            k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False,
+                                                                       is_causal=True)[0].contiguous()
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)  # not causal
+    return attend
+
+
+def test_a_backend_order_that_fails_its_check_gives_way_to_the_next(monkeypatch):
+    """On Hopper the new call tries cuDNN's attention first, then torch's own order: here the first
+    order's traced call cannot run, and the second's is used, with the first's failure in the row."""
+    from fusion_compiler.patterns import sdpa_causal
+
+    first = object()
+    working = sdpa_causal._causal_sdpa
+    monkeypatch.setattr(sdpa_causal, "_orders", lambda device: [first, None])
+    monkeypatch.setattr(sdpa_causal, "_causal_sdpa", lambda dropout_p, scale, gqa, order: (
+        _broken("raises", scale, gqa) if order is first else working(dropout_p, scale, gqa, order)))
+    monkeypatch.setattr(sdpa_causal, "_CHECKED", {})
+    be = check_rewrite(bool_causal, qkv(), {"sdpa_causal_mask": 1})
+    reason = be.log.decisions[-1].reason
+    assert "became aten._scaled_dot_product_flash_attention_for_cpu.default (cuDNN first: the new call " \
+           "failed on this signature: NotImplementedError" in reason, reason
 
 
 @pytest.mark.parametrize("training", [True, False])
