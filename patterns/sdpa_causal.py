@@ -138,13 +138,14 @@ def _causal_sdpa(dropout_p: float, scale, gqa: bool, order):
     return attend
 
 
-def keep_logsumexp(replacement: fx.GraphModule, training: bool) -> None:
+def keep_logsumexp(replacement: fx.GraphModule) -> None:
     """make_fx traces the new call on inputs that need no grad, so a fused op that computes its
-    logsumexp only when asked is told not to; in training its backward reads it (cuDNN's op then
-    returns none, which Inductor's output checks reject: the H100, stop 38)."""
+    logsumexp only when asked is told not to. In training its backward reads it: cuDNN's op then
+    returns none, which Inductor's output checks reject (the H100, stop 38). In inference too, the
+    op's meta function always promises one; it costs B x H x L floats."""
     for n in replacement.graph.nodes:
         if n.op == "call_function" and n.target in LSE_FLAG:
-            n.args = (*n.args[:4], training or n.args[4], *n.args[5:])  # compute_log_sumexp, positional
+            n.args = (*n.args[:4], True, *n.args[5:])  # compute_log_sumexp, positional
     replacement.recompile()
 
 
@@ -208,7 +209,7 @@ def _new_call(match: Match, args: dict, mask, n_rep: int, training: bool, config
         attend = _causal_sdpa(args.get("dropout_p", 0.0), args.get("scale"), n_rep > 1, order)
         try:
             replacement = trace_function(attend, [val(n) for n in match.inputs])
-            keep_logsumexp(replacement, training)
+            keep_logsumexp(replacement)
         except Exception as e:  # noqa: BLE001  (the call stays as it is, with the reason)
             why = f"replacement failed to trace: {type(e).__name__}: {e}"
         else:
