@@ -7,9 +7,11 @@
 source benchmarks/gpu_setup.sh
 cd benchmarks
 nvidia-smi --query-gpu=name --format=csv,noheader
-BENCH_NAME=$(date +%F)-llama-step-final.json timeout 240 python3 bench_llama_step.py --steps 20 \
-  --modes inductor_cg fusion_fp8_tensorwise_drop_cg fusion_fp8_tensorwise_cg torchao_fp8_cg > /tmp/step.log 2>&1
-echo "step rc=$?"; grep -E "^\| (inductor|fusion|torchao)" /tmp/step.log
+if [ -z "$NO_STEP" ]; then  # NO_STEP=1: the loss runs only
+  BENCH_NAME=$(date +%F)-llama-step-final.json timeout 240 python3 bench_llama_step.py --steps 20 \
+    --modes inductor_cg fusion_fp8_tensorwise_drop_cg fusion_fp8_tensorwise_cg torchao_fp8_cg > /tmp/step.log 2>&1
+  echo "step rc=$?"; grep -E "^\| (inductor|fusion|torchao)" /tmp/step.log
+fi
 L=$(date +%F)-fp8-lr3e-4
 launch() {  # name, then the command's words
   local name=$1; shift
