@@ -256,9 +256,11 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 
 def quantize_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in torch ops (the emulation path and the tests' reference)."""
+    """The same in torch ops (the emulation path, the tests' reference, and the cast patterns/fp8.py
+    hands Inductor to fuse into the kernel making x): s = MAX / amax divided as the kernels divide."""
     xf = x.float()
-    scale = MAX[dtype] / xf.abs().amax(1, keepdim=True).clamp(min=EPS)
+    amax = xf.abs().amax(1, keepdim=True).clamp(min=EPS)
+    scale = torch.full_like(amax, MAX[dtype]) / amax
     return (xf * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype), 1.0 / scale
 
 

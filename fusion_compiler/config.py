@@ -66,8 +66,9 @@ class FusionConfig:
         (per-row scales, e4m3), "rowwise_gw_hp" (rowwise, the weight gradient in high precision).
     fp8_emulate: compute the recipe's FP8 rounding in higher precision instead of FP8 GEMMs (any
         device: checks the numerics on CPU; never faster).
-    fp8_fuse_cast: per-row recipes: a linear's input produced by a fusion RMSNorm is cast to FP8 in
-        the norm's kernel, and an input read by several FP8 linears is cast once for all of them.
+    fp8_fuse_cast: per-row recipes: a linear's input produced by a fusion RMSNorm or GLU is cast to
+        FP8 in that kernel, one made by Inductor's code (a pointwise op or a copy) in Inductor's
+        kernel, and an input read by several FP8 linears is cast once for all of them.
         Off: each FP8 linear casts its input itself (the same values).
     cudagraphs: hand the rewritten graphs to Inductor with its CUDA graphs on (what torch.compile's
         mode="reduce-overhead" sets; Inductor skips them where a graph cannot be captured). A step is

@@ -23,8 +23,9 @@ torchtitan's float8 recipes leave the output projection out as well.
 
 Per-row recipes cast a linear's input where it is made: a fusion RMSNorm or GLU writes its output's
 FP8 copy in the same kernel (their `_fp8` twins; the norm and GLU decisions credit the casts this
-saves, `with_cast_credit`). Under every recipe an input several linears read is cast once for all
-of them (tensorwise: a weight too).
+saves, `with_cast_credit`); an input that an aten op Inductor generates makes (pointwise or a copy)
+gets the cast as torch ops, which Inductor fuses into that kernel. Under every recipe an
+input several linears read is cast once for all of them (tensorwise: a weight too).
 
 Tensorwise, in training: an LM head's cross-entropy joins it in one op whose backward writes the
 logits' gradient in FP8 (patterns/fp8_loss.py).
@@ -39,9 +40,11 @@ import types
 import torch
 import torch.fx as fx
 
-from fusion_compiler import cost
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fusion_compiler import _compat, cost
 from fusion_compiler.canonical import val
-from fusion_compiler.codegen.fp8 import ROW_MAX
+from fusion_compiler.codegen.fp8 import ROW_MAX, quantize_reference
 from fusion_compiler.decisions import Decision, describe, location
 from fusion_compiler.ops import fp8 as fp8_op
 from fusion_compiler.patterns import fp8_loss
@@ -169,6 +172,39 @@ def _producer(src: fx.Node) -> fx.Node | None:
     return norm if isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target in _NORMS else None
 
 
+_COPIES = (aten.clone.default, aten._to_copy.default)
+
+
+def _inductor_made(src: fx.Node) -> fx.Node | None:
+    """The aten op, through views, whose kernel Inductor generates and that makes src: a pointwise op
+    or a copy (such as the contiguous copy of attention's transposed output). Given the per-row cast
+    as torch ops (`_inductor_cast`), Inductor computes it in that kernel: the row's amax as a
+    reduction, the FP8 copy and its scale written beside src. Measured on the H100 (stop 39,
+    benchmarks/fp8_inductor_cast.py): the forward 2-6% faster than our cast after Inductor's kernel
+    behind a copy, a GELU and an RMSNorm in torch ops; behind a LayerNorm 1.6-2.7% slower, so a
+    LayerNorm's output (an output of native_layer_norm, not matched here) keeps our cast."""
+    while src.op == "call_function" and isinstance(src.args[0], fx.Node) and \
+            (src.target in _VIEWS or getattr(src.target, "is_view", False)):
+        src = src.args[0]
+    if src.op != "call_function" or not isinstance(src.target, _compat.OpOverload) or src.target.namespace != "aten":
+        return None
+    return src if torch.Tag.pointwise in src.target.tags or src.target in _COPIES else None
+
+
+def _rows_cast(rows: torch.Tensor) -> tuple:
+    return quantize_reference(rows.detach(), fp8_op.E4M3)
+
+
+def _inductor_cast(graph: fx.Graph, before: fx.Node, src: fx.Node) -> tuple:
+    """(q, scale) of src's rows in e4m3, as torch ops (codegen/fp8.py's `quantize_reference`, traced)
+    inserted before `before`: Inductor fuses them into the kernel that makes src."""
+    rows = _rows_view(graph, before, src)
+    traced = make_fx(_rows_cast)(val(rows))
+    arg = next(n for n in traced.graph.nodes if n.op == "placeholder")
+    with graph.inserting_before(before):
+        return tuple(graph.graph_copy(traced.graph, {arg: rows}))
+
+
 def _readers(y: fx.Node, config, needs_grad: set) -> list:
     """(mm node, input, weight) of the bias-free linears that read y (or F.linear's 2-D view of it)
     and may run in FP8."""
@@ -227,9 +263,10 @@ def with_cast_credit(estimate: cost.Estimate, y: fx.Node, config, needs_grad: se
 def _cast_plans(taken: list, config) -> dict:
     """Where each taken linear's input gets its FP8 copy. Keyed by the input's source (the tensor
     before F.linear's view): ("fused", producer node, readers) when a fusion RMSNorm or GLU produced it
-    (`_producer`; per-row recipes), ("shared", first reader's mm node, readers) when two or more
-    linears read it, else absent (the linear casts x itself). `taken` holds (mm node, input, weight)
-    in graph order. Per-row recipes with FusionConfig(fp8_fuse_cast=False): none."""
+    (`_producer`; per-row recipes), ("inductor", first reader's mm node, readers) when an aten op
+    Inductor generates made it (`_inductor_made`; per-row recipes), ("shared", first reader's mm node,
+    readers) when two or more linears read it, else absent (the linear casts x itself). `taken` holds
+    (mm node, input, weight) in graph order. Per-row recipes with FusionConfig(fp8_fuse_cast=False): none."""
     per_row = fp8_op.recipe(config.fp8).per_row
     if per_row and not config.fp8_fuse_cast:
         return {}
@@ -241,6 +278,8 @@ def _cast_plans(taken: list, config) -> dict:
         producer = _producer(key) if per_row else None
         if producer is not None:
             plans[key] = ("fused", producer, len(readers))
+        elif per_row and _inductor_made(key) is not None:
+            plans[key] = ("inductor", readers[0], len(readers))
         elif len(readers) > 1:
             plans[key] = ("shared", readers[0], len(readers))
     return plans
@@ -274,6 +313,8 @@ def _emit_casts(gm: fx.GraphModule, plans: dict, config) -> dict:
                 scale = graph.call_function(operator.getitem, (fused, n_out - 1))
                 q = graph.call_function(operator.getitem, (fused, n_out - 2))
             q.meta["val"], scale.meta["val"] = fused.meta["val"][-2], fused.meta["val"][-1]
+        elif how == "inductor":
+            q, scale = _inductor_cast(graph, node, src)
         else:  # before the first reader
             q, scale = _call_outputs(graph, node, torch.ops.fusion.fp8_quantize_rows.default,
                                      (_rows_view(graph, node, src), config.fp8_emulate))
@@ -300,12 +341,15 @@ def _call_outputs(graph: fx.Graph, before: fx.Node, op, args: tuple) -> tuple:
     return outs
 
 
-def _plan_note(plan) -> str:
+def _plan_note(plan, src: fx.Node) -> str:
     if plan is None:
         return ""
     how, node, n = plan
     if how == "fused":
         return f"; x cast to FP8 in {_TWINS[node.target].name()}, the kernel producing it ({n} linear(s) read it)"
+    if how == "inductor":
+        return (f"; x cast to FP8 by torch ops that Inductor fuses into the kernel of {_inductor_made(src).target} "
+                f"producing it ({n} linear(s) read it)")
     return f"; x cast to FP8 once for the {n} linears that read it"
 
 
@@ -374,8 +418,9 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         x_val, w_val = val(a), val(w)
         plan = plans.get(_key(a))
         ctx = cost.CostContext.of(x_val.device, config, node in needs_grad)
+        x_cast = "fused" if plan and plan[0] == "inductor" else plan[0] if plan else "own"  # written by x's maker
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
-                                            recipe.per_row, ctx, x_cast=plan[0] if plan else "own",
+                                            recipe.per_row, ctx, x_cast=x_cast,
                                             readers=plan[2] if plan else 1)
         if config.cost_model == "roofline" and not estimate.profitable:
             log.add(_row(gid, node, "rejected", f"recipe {config.fp8}; {estimate.reason()}", [x_val, w_val], estimate,
@@ -403,7 +448,7 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         reason = estimate.reason() if config.cost_model == "roofline" else \
             f"cost model off (cost_model='always'); {estimate.reason()}"
         mode = ", emulated" if config.fp8_emulate else ""
-        why = f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]))}"
+        why = f"recipe {config.fp8}{mode}; {reason}{_plan_note(plans.get(keys[node]), keys[node])}"
         if notes.get(node):
             why += "; " + notes[node]
         log.add(_row(gid, calls[node], "applied", why, [x_val, w_val], estimate, recipe.per_row))
