@@ -418,7 +418,8 @@ def rewrite(gm: fx.GraphModule, config, log, gid: int, needs_grad: set) -> int:
         x_val, w_val = val(a), val(w)
         plan = plans.get(_key(a))
         ctx = cost.CostContext.of(x_val.device, config, node in needs_grad)
-        x_cast = "fused" if plan and plan[0] == "inductor" else plan[0] if plan else "own"  # written by x's maker
+        how = plan[0] if plan else "own"
+        x_cast = "fused" if how == "inductor" else how  # Inductor's kernel writes it beside x: a fused cast
         estimate = cost.estimate_fp8_linear(x_val.shape[0], w_val.shape[0], x_val.shape[1], x_val.element_size(),
                                             recipe.per_row, ctx, x_cast=x_cast,
                                             readers=plan[2] if plan else 1)
