@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-0.1
+STAMP := $(VENV)/.installed-0.2
 
 .PHONY: setup demo test bench-matching clean
 
@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: an open range resolves to a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q triton==3.6.0 'numpy<2.4' transformers==5.24.0 pytest networkx sympy
+	$(BIN)/pip install -q triton==3.6.0 'numpy<2.4' transformers==5.24.0 pytest pytest-xdist networkx sympy
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -20,7 +20,8 @@ demo: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python examples/train_llama.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	# up to 4 worker processes (pytest-xdist); they share the run's seed (tests/conftest.py)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 tests
 
 bench-matching: $(STAMP)
 	cd benchmarks && TRITON_INTERPRET=1 ../$(BIN)/python bench_matching.py

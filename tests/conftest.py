@@ -17,6 +17,7 @@ round_bf16_like_gpu()
 
 # Fresh random inputs on every run, reproducible: FUSION_TEST_SEED=<the seed printed last> repeats one.
 RUN_SEED = int(os.environ.get("FUSION_TEST_SEED", random.randrange(2**31)))
+os.environ["FUSION_TEST_SEED"] = str(RUN_SEED)  # pytest-xdist's workers, started after this, draw the same
 
 
 def pytest_terminal_summary(terminalreporter):
