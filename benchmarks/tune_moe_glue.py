@@ -27,7 +27,7 @@ def main():
         logits = torch.randn(tokens, experts, device="cuda")
         weight, index = logits.softmax(-1).topk(k, -1)
         routing = moe.route(index, weight, experts)
-        inverse = glue._inverse(routing)
+        inverse = routing.inverse
         x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
         slots = tokens * k
         y = torch.randn(slots, width, device="cuda", dtype=torch.bfloat16)

@@ -45,6 +45,7 @@ class Routing:
     token: torch.Tensor    # [S] int32: sorted row -> token
     weight: torch.Tensor   # [S] fp32: sorted row -> its routing weight
     slot_weight: torch.Tensor  # [S] fp32: the routing weights in slot order (t*k + j)
+    inverse: torch.Tensor  # [S] int32: flat slot -> sorted row (perm's inverse)
     offsets: torch.Tensor  # [E + 1] int32: expert e's sorted rows are [offsets[e], offsets[e + 1])
     top_k: int
     tile_tables: dict = dataclasses.field(default_factory=dict, compare=False)  # by BLOCK_M (`tiles`)
@@ -72,11 +73,31 @@ def _sort_key(flat: torch.Tensor, experts: int) -> torch.Tensor:
             return flat.to(dtype, copy=True).masked_fill_(outside, experts)
 
 
+@fast_launch
+@triton.jit
+def _tables_kernel(PERM, W, TOKEN, WEIGHT, SLOT_WEIGHT, INVERSE, S, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Per sorted row s, slot p = PERM[s]: TOKEN[s] = p // k, WEIGHT[s] = W[p], INVERSE[p] = s; and
+    SLOT_WEIGHT = W, all weights in fp32."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < S
+    slot = tl.load(PERM + rows, mask=mask, other=0)
+    tl.store(TOKEN + rows, slot // TOP_K, mask=mask)
+    tl.store(WEIGHT + rows, tl.load(W + slot, mask=mask, other=0.0).to(tl.float32), mask=mask)
+    tl.store(INVERSE + slot, rows, mask=mask)
+    tl.store(SLOT_WEIGHT + rows, tl.load(W + rows, mask=mask, other=0.0).to(tl.float32), mask=mask)
+
+
 def rebuild(perm: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> Routing:
-    """The Routing of a sort already made (the backward gets perm and offsets from the forward)."""
-    top_k = weight.shape[-1]
-    slot_weight = weight.reshape(-1).float()
-    return Routing(perm, perm // top_k, slot_weight[perm.long()], slot_weight, offsets, top_k)
+    """The Routing of a sort already made (the backward gets perm and offsets from the forward): its
+    per-row tables in one pass (`_tables_kernel`)."""
+    top_k, rows = weight.shape[-1], perm.numel()
+    token, inverse = alloc((rows,), torch.int32, perm.device), alloc((rows,), torch.int32, perm.device)
+    sorted_weight, slot_weight = (alloc((rows,), torch.float32, perm.device) for _ in range(2))
+    if rows:
+        block = 1024
+        _tables_kernel[(cdiv(rows, block),)](perm, weight.reshape(-1), token, sorted_weight, slot_weight, inverse,
+                                             rows, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return Routing(perm, token, sorted_weight, slot_weight, inverse, offsets, top_k)
 
 
 def tiles(routing: Routing, block_m: int) -> torch.Tensor:

@@ -163,7 +163,7 @@ def _tile(n: int, tokens: int) -> tuple[int, int]:
     return tokens, min(next_pow2(max(n, 1)), 2048)
 
 
-def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tokens: int, weighted: bool,
+def combine(rows_out: torch.Tensor, routing: Routing, tokens: int, weighted: bool,
             dtype: torch.dtype, plus: torch.Tensor | None = None, dot_with: torch.Tensor | None = None):
     """[T, D] in dtype: each token's k slot rows of rows_out (sorted order), plus those of `plus` when
     given, summed in fp32, times the routing weight when `weighted`; and with `dot_with` (x [T, D]),
@@ -175,11 +175,11 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
     if dot_with is not None:  # a row of partial dots per column block
         dots = alloc((cdiv(width, block_d), tokens * routing.top_k), torch.float32, rows_out.device)
     if tokens and width:
-        flat_weight = routing.slot_weight if weighted else inverse  # (unread when not weighted)
+        flat_weight = routing.slot_weight if weighted else routing.inverse  # (unread when not weighted)
         second = rows_out if plus is None else plus  # (unread without `plus`)
         x = out if dot_with is None else dot_with.contiguous()  # (unread without `dot_with`)
         _combine_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
-            rows_out, second, inverse, flat_weight, routing.offsets[-1:], out, x, out if dots is None else dots,
+            rows_out, second, routing.inverse, flat_weight, routing.offsets[-1:], out, x, out if dots is None else dots,
             tokens, width, rows_out.stride(0), second.stride(0), out.stride(0), x.stride(0), TOP_K=routing.top_k,
             WEIGHTED=weighted, TWO=plus is not None, DOTS=dots is not None, BLOCK_T=block_t, BLOCK_D=block_d,
             num_warps=4)
@@ -188,14 +188,7 @@ def combine(rows_out: torch.Tensor, routing: Routing, inverse: torch.Tensor, tok
     return out, dots
 
 
-def _inverse(routing: Routing) -> torch.Tensor:
-    """slot -> sorted row (perm's inverse)."""
-    inverse = torch.empty_like(routing.perm)
-    inverse[routing.perm.long()] = torch.arange(routing.perm.numel(), device=routing.perm.device, dtype=torch.int32)
-    return inverse
-
-
-def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torch.Tensor:
+def _rows(x, routing: Routing, scale_input: bool) -> torch.Tensor:
     """The token rows in expert order (a copy), times the routing weight when the weight scales the
     experts' input (torchtitan's score-before-experts)."""
     tokens, width = x.shape
@@ -203,7 +196,7 @@ def _rows(x, routing: Routing, inverse: torch.Tensor, scale_input: bool) -> torc
     block_t, block_d = _tile(width, 4)
     if tokens and width:
         _spread_kernel[(cdiv(tokens, block_t), cdiv(width, block_d))](
-            x, inverse, routing.slot_weight, rows, tokens, width, x.stride(0), x.stride(1), rows.stride(0),
+            x, routing.inverse, routing.slot_weight, rows, tokens, width, x.stride(0), x.stride(1), rows.stride(0),
             TOP_K=routing.top_k, SCALED=scale_input, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return rows
 
@@ -228,8 +221,7 @@ def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale
     weights [E, N, D]: [gate; up] in one tensor (a1 = both products, a1_up None), gate and up apart
     (a1 = the gate's product, a1_up the up's: not concatenated), or up alone."""
     ends, ups, w_down = routing.offsets[1:], [_aligned(u) for u in ups], _aligned(w_down)
-    inverse = _inverse(routing)
-    rows = _rows(x, routing, inverse, scale_input)
+    rows = _rows(x, routing, scale_input)
     a1, *a1_up = [grouped_mm(rows, u.transpose(1, 2), offs=ends) for u in ups]
     a1_up = a1_up[0] if a1_up else None
     ffn, scale = w_down.shape[-1], None if scale_input else routing.weight
@@ -239,7 +231,7 @@ def forward(x, routing: Routing, ups: list, w_down, act: str, gated: bool, scale
         h = _ACT[act](a1.float())
         h = (h if scale is None else h * scale[:, None]).to(a1.dtype)
     y = grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    out, _ = combine(y, routing, inverse, x.shape[0], False, x.dtype)
+    out, _ = combine(y, routing, x.shape[0], False, x.dtype)
     return out, a1, a1_up, h, rows
 
 
@@ -251,8 +243,8 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
     ends, tokens, ffn = routing.offsets[1:], x.shape[0], w_down.shape[-1]
     ups, w_down = [_aligned(u) for u in ups], _aligned(w_down)
     rows, width = routing.perm.numel(), x.shape[1]
-    dout, inverse = dout.contiguous(), _inverse(routing)
-    dy = _rows(dout, routing, inverse, False)
+    dout = dout.contiguous()
+    dy = _rows(dout, routing, False)
     dh = grouped_mm(dy, w_down, offs=ends)  # d h
     dw_slots = None
     if gated:
@@ -281,7 +273,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
         d_rows = [grouped_mm(part, u, offs=ends) for part, u in zip(slices, ups)]
         # dx: the two products' rows summed in the combine (no pass adding them first); with the weight on
         # the input, d weight = <d rows, x[token]> in the same pass, in slot order
-        dx, dots = combine(d_rows[0], routing, inverse, tokens, scale_input, x.dtype, *d_rows[1:],
+        dx, dots = combine(d_rows[0], routing, tokens, scale_input, x.dtype, *d_rows[1:],
                            dot_with=x if scale_input and needs[1] else None)
         if dots is not None:
             dw_slots = dots
@@ -291,7 +283,7 @@ def backward(dout, x, routing: Routing, ups: list, w_down, a1, a1_up, h, act: st
         dweight = dw_slots.view(tokens, routing.top_k)
     d_ups = [None] * len(ups)
     if any(needs[2:2 + len(ups)]):
-        inputs = rows_in if rows_in is not None and rows_in.numel() else _rows(x, routing, inverse, scale_input)
+        inputs = rows_in if rows_in is not None and rows_in.numel() else _rows(x, routing, scale_input)
         d_ups = [grouped_mm(part.t(), inputs, offs=ends) if need else None
                  for part, need in zip(slices, needs[2:2 + len(ups)])]
     dw_down = grouped_mm(dy.t(), h, offs=ends) if needs[-1] else None

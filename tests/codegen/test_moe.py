@@ -194,12 +194,18 @@ def test_no_gradient_work_for_frozen_inputs():
     assert rel_err(out, ref) <= 1e-5 and dw13.shape == w13.shape
 
 
-def test_route_sorts_by_expert_without_host_sync():
-    index = torch.tensor([[2, 0], [1, 2], [0, 3]])
-    r = kernels.route(index, torch.rand(3, 2), 4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_sorts_by_expert_without_host_sync(dtype):
+    """The sort, and the per-row tables made from it in one kernel: token, weight (fp32) in sorted
+    and in slot order, and the inverse permutation."""
+    index, weight = torch.tensor([[2, 0], [1, 2], [0, 3]]), torch.rand(3, 2).to(dtype)
+    r = kernels.route(index, weight, 4)
     assert r.offsets.tolist() == [0, 2, 3, 5, 6]
     assert [int(index.reshape(-1)[p]) for p in r.perm] == [0, 0, 1, 2, 2, 3]
     assert r.token.tolist() == (r.perm // 2).tolist()
+    assert r.inverse[r.perm.long()].tolist() == list(range(6))
+    assert torch.equal(r.slot_weight, weight.reshape(-1).float())
+    assert torch.equal(r.weight, weight.reshape(-1).float()[r.perm.long()])
     table = kernels.tiles(r, 2)  # expert, first row, end row of every 2-row tile (+ empty spares)
     busy = [tuple(c) for c in table.t().tolist() if c[1] < c[2]]
     assert busy == [(0, 0, 2), (1, 2, 3), (2, 3, 5), (3, 5, 6)]
@@ -220,6 +226,15 @@ def test_route_on_a_narrow_key_keeps_the_int64_order(experts):
     assert kept.tolist() == expected[inside].tolist()
     assert r.offsets.tolist() == [int(((flat >= 0) & (flat < e)).sum()) for e in range(experts + 1)]
     assert index[1, 2] == -1  # the caller's ids are not touched
+
+
+def test_route_tables_over_several_programs():
+    """2100 rows: the tables kernel's three programs of 1024 rows, the last one partial."""
+    index, weight = torch.randint(0, 8, (700, 3)), torch.rand(700, 3)
+    r = kernels.route(index, weight, 8)
+    perm = r.perm.long()
+    assert sorted(perm.tolist()) == list(range(2100)) and r.inverse[perm].tolist() == list(range(2100))
+    assert torch.equal(r.token.long(), perm // 3) and torch.equal(r.weight, weight.reshape(-1)[perm])
 
 
 def test_bad_operands_raise_clear_errors():
