@@ -5,10 +5,11 @@ an arange and an index_put). The forward runs the sort and the tables, the backw
 
 Rows: the sort + tables alone (GPU ms from the profiler's kernel sum, wall ms from do_bench: launch
 overhead included) at bench_moe.py's two shapes; then the whole block, fwd+bwd under the default
-backend, with each variant (bench_moe.py's `fusion` row), alternated twice.
+backend, with each variant (bench_moe.py's `fusion` row), alternated (--attempts times, default 2).
 
-    python benchmarks/moe_routing_tables.py
+    python benchmarks/moe_routing_tables.py [--attempts N]
 """
+import argparse
 import contextlib
 
 import torch
@@ -37,6 +38,9 @@ def tables(variant: str):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attempts", type=int, default=2)
+    attempts = ap.parse_args().attempts
     rows = []
     for name, cfg in CONFIGS.items():
         logits = torch.randn(cfg["tokens"], cfg["experts"], device="cuda")
@@ -50,7 +54,7 @@ def main():
                 rows.append({"config": name, "what": "sort + tables (fwd and bwd)", "variant": variant,
                              "gpu_ms": round(bench_gpu_ms(step), 4), "wall_ms": round(bench_ms(step), 4)})
                 print(rows[-1])
-    for attempt in (1, 2):
+    for attempt in range(1, attempts + 1):
         for variant in ("torch ops", "kernel"):
             with tables(variant):
                 for row in run(list(CONFIGS), False, ["auto"], only=["fusion"]):
