@@ -91,7 +91,7 @@ def rebuild(perm: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> 
     """The Routing of a sort already made (the backward gets perm and offsets from the forward): its
     per-row tables in one pass (`_tables_kernel`)."""
     top_k, rows = weight.shape[-1], perm.numel()
-    token, inverse = alloc((rows,), torch.int32, perm.device), alloc((rows,), torch.int32, perm.device)
+    token, inverse = (alloc((rows,), torch.int32, perm.device) for _ in range(2))
     sorted_weight, slot_weight = (alloc((rows,), torch.float32, perm.device) for _ in range(2))
     if rows:
         block = 1024
